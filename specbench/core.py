@@ -1,0 +1,231 @@
+"""The one decode loop every policy shares.
+
+prefill → per round: propose → schedule → verify → accept → commit → observe.
+
+Rows of a batch advance by different amounts each round: each row has its own committed length,
+its own KV-cache slots and its own verify length; the target runs once per round over
+[anchor, drafts...] for every row, right-padded to the longest verify length. Rolling back a
+rejected suffix costs nothing: the row's committed length simply does not move past it, and the
+next round overwrites those cache slots.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specbench.model import Transformer
+from specbench.policy import BatchState, Draft, Policy
+from specbench.sampling import make_generator, probs_from_logits, sample
+from specbench.verify import verify_chain
+
+KV_BUCKET = 64  # attention reads the cache up to a multiple of this, so shapes repeat across rounds
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class RequestResult:
+    output_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str = "length"
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    trace_verify_len: list[int] = field(default_factory=list)
+    trace_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def tau(self) -> float:
+        return (self.generated_tokens - 1) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        # Per-user decode rate: tokens after the first over the time it took to produce them.
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+@dataclass
+class BatchResult:
+    requests: list[RequestResult]
+    wall_s: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(r.generated_tokens for r in self.requests)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def chain_mask(cache_lengths: Tensor, q: int, kv_len: int) -> Tensor:
+    """[b, q, kv_len] bool: query i of row r sees every committed slot and the new slots up to its
+    own (slot cache_lengths[r] + i). Padding queries past a row's verify length see only real
+    tokens and themselves, so they produce finite garbage that nothing reads."""
+    device = cache_lengths.device
+    last_visible = cache_lengths[:, None] + torch.arange(q, device=device)[None]  # [b, q]
+    return torch.arange(kv_len, device=device)[None, None] <= last_visible[..., None]
+
+
+def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor, taps=()):
+    """Run `tokens` [b, q] as the continuation of each row's cache (row r starts at slot
+    cache_lengths[r]); returns the model's (logits, taps, hidden)."""
+    b, q = tokens.shape
+    positions = cache_lengths[:, None] + torch.arange(q, device=tokens.device)[None]
+    kv_len = min(round_up(int(cache_lengths.max()) + q, KV_BUCKET), model.max_seq)
+    return model(tokens, positions, positions, chain_mask(cache_lengths, q, kv_len), taps=taps)
+
+
+@torch.inference_mode()
+def generate(
+    target: Transformer,
+    policy: Policy,
+    prompts: list[list[int]],
+    config: SamplingConfig,
+    eos_ids: tuple[int, ...] | list[int] = (),
+) -> BatchResult:
+    """Decode a batch of prompts with `policy` until each row hits EOS or max_new_tokens."""
+    device = target.device
+    b = len(prompts)
+    max_new = config.max_new_tokens
+    prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
+    p_max = int(prompt_lengths.max())
+    seq_cap = round_up(p_max + max_new + policy.max_draft + 2, KV_BUCKET)
+    target.setup_cache(b, seq_cap)
+    eos = set(int(e) for e in eos_ids)
+
+    tokens = torch.zeros(b, seq_cap, dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        tokens[r, : len(p)] = torch.tensor(p, device=device)
+    state = BatchState(
+        tokens=tokens,
+        lengths=prompt_lengths.clone(),
+        prompt_lengths=prompt_lengths,
+        active=torch.ones(b, dtype=torch.bool, device=device),
+        temperature=config.temperature,
+        top_p=config.top_p,
+        generator=make_generator(config.seed, device),
+        max_new_tokens=max_new,
+    )
+    results = [RequestResult(output_ids=[], prompt_tokens=len(p)) for p in prompts]
+
+    # Prefill: right-padded prompts from slot 0; the first token is sampled at each row's last prompt position.
+    synchronize(device)
+    t_start = time.perf_counter()
+    zeros = torch.zeros(b, dtype=torch.long, device=device)
+    logits, prompt_features, _ = forward_new_tokens(target, tokens[:, :p_max], zeros, policy.target_taps)
+    last = logits[torch.arange(b, device=device), prompt_lengths - 1]
+    first = sample(probs_from_logits(last, config.temperature, config.top_p), state.generator)
+    _commit(state, results, [[int(t)] for t in first.tolist()], eos, max_new)
+    synchronize(device)
+    t_first = time.perf_counter()
+    for res in results:
+        res.ttft_s = t_first - t_start
+    finished_at = [t_first if not state.active[r] else None for r in range(b)]
+    policy.begin(state, prompt_features)
+
+    while bool(state.active.any()):
+        cache_lengths = state.lengths - 1  # the anchor's KV is computed in this round's forward
+        draft = policy.propose(state)
+        if draft is None:
+            draft = Draft(tokens=torch.zeros(b, 0, dtype=torch.long, device=device), probs=None, lengths=zeros)
+            verify_lengths = zeros
+        else:
+            verify_lengths = policy.schedule(draft, state).clamp(max=draft.tokens.shape[1])
+        # Never verify past the token budget (the bonus token takes one) and nothing for finished rows.
+        budget = (max_new - (state.lengths - state.prompt_lengths) - 1).clamp_min(0)
+        verify_lengths = torch.minimum(verify_lengths, budget) * state.active
+        q = int(verify_lengths.max()) + 1
+
+        anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])
+        inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
+        logits, verify_features, _ = forward_new_tokens(target, inputs, cache_lengths, policy.target_taps)
+        target_probs = probs_from_logits(logits, config.temperature, config.top_p)
+        accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
+
+        accepted_list, next_list = accepted.tolist(), next_token.tolist()
+        lengths_list, active_list = verify_lengths.tolist(), state.active.tolist()
+        drafts_list = draft.tokens[:, : q - 1].tolist()
+        new_tokens = []
+        for r in range(b):
+            if not active_list[r]:
+                new_tokens.append([])
+                continue
+            a, ell, res = accepted_list[r], lengths_list[r], results[r]
+            new_tokens.append(drafts_list[r][:a] + [next_list[r]])
+            res.rounds += 1
+            res.drafted += ell
+            _count_positions(res.drafted_per_position, ell)
+            _count_positions(res.accepted_per_position, a)
+            res.trace_verify_len.append(ell)
+        emitted = _commit(state, results, new_tokens, eos, max_new)
+        for r in range(b):
+            if active_list[r]:
+                # Accepted drafts that were actually emitted (EOS can cut a round short).
+                kept = min(accepted_list[r], emitted[r])
+                results[r].accepted += kept
+                results[r].trace_accepted.append(kept)
+        policy.observe(state, accepted * state.active, verify_features)
+        synchronize(device)
+        now = time.perf_counter()
+        for r in range(b):
+            if active_list[r] and not state.active[r]:
+                finished_at[r] = now
+
+    t_end = time.perf_counter()
+    for r, res in enumerate(results):
+        res.decode_s = (finished_at[r] or t_end) - t_first
+    return BatchResult(requests=results, wall_s=t_end - t_start)
+
+
+def _count_positions(per_position: list[int], n: int) -> None:
+    if len(per_position) < n:
+        per_position.extend([0] * (n - len(per_position)))
+    for k in range(n):
+        per_position[k] += 1
+
+
+def _commit(state: BatchState, results, new_tokens: list[list[int]], eos: set[int], max_new: int) -> list[int]:
+    """Append each row's new tokens, cut at EOS (kept) and at the token budget; returns how many
+    tokens each row emitted. A row that hits either stops (becomes inactive)."""
+    emitted = []
+    for r, toks in enumerate(new_tokens):
+        res = results[r]
+        room = max_new - len(res.output_ids)
+        toks = toks[:room]
+        for i, t in enumerate(toks):
+            if t in eos:
+                toks = toks[: i + 1]
+                res.finish_reason = "eos"
+                break
+        if toks:
+            start = int(state.lengths[r])
+            state.tokens[r, start : start + len(toks)] = torch.tensor(toks, device=state.tokens.device)
+            state.lengths[r] += len(toks)
+            res.output_ids.extend(toks)
+        if res.finish_reason == "eos" or len(res.output_ids) >= max_new:
+            state.active[r] = False
+        emitted.append(len(toks))
+    return emitted

@@ -1,0 +1,264 @@
+"""One Llama-family decoder (llama / qwen2 / qwen3 / mistral configs), gpt-fast style.
+
+Explicit tensors, a static KV cache with room for every batch row, and a forward over `q` new
+tokens per row whose attention mask, rope positions and cache slots are all given by the caller.
+That is what lets one forward serve prefill, plain decode, ragged chain verification (rows with
+different numbers of draft tokens) and tree verification (tree mask + depth positions).
+
+Module and parameter names follow transformers' `LlamaForCausalLM`, so a transformers state dict
+loads with `load_state_dict` as it is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: dim // n_heads
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # llama3-style {"rope_type": "llama3", ...} or None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k
+    max_position_embeddings: int = 8192
+    extra: dict = field(default_factory=dict)  # config fields kept for fingerprints only
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelArgs":
+        """Read a transformers config (object or dict) of a llama / qwen2 / qwen3 / mistral model."""
+        c = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        model_type = c.get("model_type", "llama")
+        supported = ("llama", "qwen2", "qwen3", "mistral")
+        if model_type not in supported:
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(supported)})")
+        return cls(
+            vocab_size=c["vocab_size"],
+            dim=c["hidden_size"],
+            n_layers=c["num_hidden_layers"],
+            n_heads=c["num_attention_heads"],
+            n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            intermediate_size=c["intermediate_size"],
+            head_dim=c.get("head_dim") or 0,
+            rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(c),
+            norm_eps=c.get("rms_norm_eps", 1e-5),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=c.get("max_position_embeddings", 8192),
+            extra={"model_type": model_type},
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rope_scaling(c: dict) -> dict | None:
+    scaling = c.get("rope_scaling") or c.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: llama3)")
+    return dict(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.k_cache: Tensor | None = None  # [max_batch, n_kv_heads, max_seq, head_dim]
+        self.v_cache: Tensor | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        b, q, _ = x.shape
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        xq = self.q_proj(x).view(b, q, nh, hd)
+        xk = self.k_proj(x).view(b, q, nkv, hd)
+        xv = self.v_proj(x).view(b, q, nkv, hd)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+
+        # Write the new keys/values into each row's own cache slots.
+        rows = torch.arange(b, device=x.device)[:, None]
+        self.k_cache[rows, :, slots] = xk.to(self.k_cache.dtype)
+        self.v_cache[rows, :, slots] = xv.to(self.v_cache.dtype)
+        kv_len = mask.shape[-1]
+        keys = self.k_cache[:b, :, :kv_len]
+        values = self.v_cache[:b, :, :kv_len]
+
+        # Fold each KV group's query heads into the query axis: [b, nkv, group*q, hd]. Attention then
+        # reads each KV head once, whatever q is (plain GQA SDPA re-reads KV per query head when
+        # q >= 2; DESIGN.md "More H200 measurements"). Query head h uses KV head h // group, as in
+        # transformers' repeat_kv, so this is the same computation.
+        group = nh // nkv
+        xq = xq.transpose(1, 2).reshape(b, nkv, group * q, hd)
+        folded_mask = mask[:, None, None].expand(b, 1, group, q, kv_len).reshape(b, 1, group * q, kv_len)
+        out = F.scaled_dot_product_attention(xq, keys.to(xq.dtype), values.to(xq.dtype), attn_mask=folded_mask)
+        out = out.view(b, nh, q, hd).transpose(1, 2).reshape(b, q, nh * hd)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """`model.` prefix of transformers' checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_batch = 0
+        self.max_seq = 0
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def setup_cache(self, max_batch: int, max_seq: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate (or reuse, when big enough) the static KV cache."""
+        dtype = dtype or self.lm_head.weight.dtype
+        if max_batch <= self.max_batch and max_seq <= self.max_seq:
+            return
+        a = self.args
+        shape = (max_batch, a.n_kv_heads, max_seq, a.head_dim)
+        # Normal tensors (not inference tensors), so the cache works inside and outside inference_mode.
+        with torch.inference_mode(False):
+            for layer in self.model.layers:
+                layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+                layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.max_batch, self.max_seq = max_batch, max_seq
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        mask: Tensor,
+        taps: tuple[int, ...] = (),
+        logits: bool = True,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        """Run `q` new tokens per row.
+
+        tokens, positions, slots: [b, q] token ids, rope positions, KV-cache slots to write.
+        mask: [b, q, kv_len] bool; True where a query may attend to a cache slot.
+        taps: decoder layers whose raw outputs to return (EAGLE/DSpark features), concatenated.
+        Returns (logits [b, q, V] or None, taps [b, q, len(taps)*dim] or None, final normed hidden).
+        """
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        tapped = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, slots, mask)
+            if i in taps:
+                tapped.append(x)
+        hidden = self.model.norm(x)
+        out = self.lm_head(hidden) if logits else None
+        return out, (torch.cat(tapped, dim=-1) if taps else None), hidden
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    s = args.rope_scaling
+    if s:  # llama3 frequency-dependent scaling (Llama 3.1 report / transformers' _compute_llama3_parameters)
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq.float()
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    angles = positions[..., None].float() * inv_freq  # [b, q, hd/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]  # [b, q, 1, hd]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # transformers' rotate_half convention (first half / second half), which its checkpoints use.
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

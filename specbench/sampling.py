@@ -1,0 +1,43 @@
+"""Turning logits into the distributions that decoding samples from, and sampling from them.
+
+Speculative decoding is lossless with respect to *these* distributions: the target's processed
+distribution (temperature, then top-p) is what every policy must reproduce exactly.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def probs_from_logits(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
+    """[..., V] logits → [..., V] float32 probabilities. temperature 0 means greedy (one-hot argmax)."""
+    logits = logits.float()
+    if temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        probs = top_p_filter(probs, top_p)
+    return probs
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches top_p."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = torch.where(mass_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Draw one token per distribution in [..., V] (exponential race, i.e. the Gumbel-max trick:
+    argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i). One generator serves a
+    whole batch, vectorised, and a one-hot distribution always yields its token."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-20)
+    return (probs / noise).argmax(-1)
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g

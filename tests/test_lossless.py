@@ -1,0 +1,183 @@
+"""Losslessness of the shared core with every chain policy.
+
+Greedy: token-identical to AR at batch sizes 1, 4, 16 (tiny random models; the default model is
+covered in test_default_model.py). Sampled: the joint distribution of the first generated tokens
+matches the target's exact distribution (enumerated) in a χ² test over many samples, and the same
+test rejects a verifier without residual resampling, so it has power.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import specbench.core as core
+from specbench.core import SamplingConfig, generate
+from specbench.policies.fixed_k import FixedK
+from specbench.policies.pld import PromptLookup
+from specbench.policy import Policy
+from specbench.sampling import probs_from_logits, sample
+from tiny import random_prompts, tiny_model
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(vocab=VOCAB, seed=0, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # Repetitive prompts give prompt lookup something to find; random ones exercise ragged lengths.
+    base = random_prompts(12, VOCAB, seed=3)
+    return base + [p * 3 for p in random_prompts(4, VOCAB, seed=4, max_len=5)]
+
+
+def policies(target):
+    return {
+        "pld": PromptLookup(k=4, max_ngram=3),
+        "fixed-k(random draft)": FixedK(tiny_model(vocab=VOCAB, seed=1, layers=1, scale=4.0), k=4),
+        "fixed-k(self draft)": FixedK(target, k=3),
+    }
+
+
+def decode_all(target, policy, prompts, batch_size, config):
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        out += generate(target, policy, prompts[i : i + batch_size], config).requests
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_greedy_identity_tiny(target, prompts, batch_size):
+    config = SamplingConfig(max_new_tokens=40, temperature=0.0)
+    reference = [r.output_ids for r in decode_all(target, Policy(), prompts, 1, config)]
+    for name, policy in policies(target).items():
+        got = decode_all(target, policy, prompts, batch_size, config)
+        for i, (res, ref) in enumerate(zip(got, reference)):
+            assert res.output_ids == ref, f"{name} b={batch_size} prompt {i} diverged from AR"
+        if name == "fixed-k(self draft)":  # the target drafting for itself is always accepted
+            assert sum(r.accepted for r in got) == sum(r.drafted for r in got) > 0
+        if name == "pld":
+            assert sum(r.accepted for r in got) > 0
+
+
+def test_greedy_eos_and_budget(target, prompts):
+    """EOS ends a row (kept as its last token) mid-round; rows stop independently; the budget holds."""
+    config = SamplingConfig(max_new_tokens=30)
+    ar = decode_all(target, Policy(), prompts, 1, config)
+    eos = ar[0].output_ids[7]  # a token AR emits: some rows will stop on it mid-draft
+    reference = [r.output_ids for r in [generate(target, Policy(), [p], config, eos_ids=[eos]).requests[0] for p in prompts]]
+    for policy in policies(target).values():
+        got = generate(target, policy, prompts, config, eos_ids=[eos]).requests
+        for res, ref in zip(got, reference):
+            assert res.output_ids == ref
+            assert len(res.output_ids) <= 30
+            if eos in res.output_ids:
+                assert res.output_ids.index(eos) == len(res.output_ids) - 1 and res.finish_reason == "eos"
+
+
+# ---------- sampled losslessness ----------
+
+SMALL_VOCAB, N_TOKENS, N_SAMPLES = 5, 4, 30000
+
+
+def exact_joint(model, prompt, n_tokens, temperature, top_p):
+    """P(x_1..x_n | prompt) for every sequence, by enumeration with the model's own forward."""
+    probs = {}
+    for seq in itertools.product(range(SMALL_VOCAB), repeat=n_tokens - 1):
+        ids = torch.tensor([prompt + list(seq)])
+        q = ids.shape[1]
+        model.setup_cache(1, 64)
+        mask = torch.tril(torch.ones(q, q, dtype=torch.bool))[None]
+        pos = torch.arange(q)[None]
+        logits, _, _ = model(ids, pos, pos, mask)
+        step = probs_from_logits(logits[0, len(prompt) - 1 :], temperature, top_p).double()
+        p_prefix = 1.0
+        for i in range(n_tokens - 1):
+            p_prefix *= float(step[i, seq[i]])
+        for last in range(SMALL_VOCAB):
+            probs[seq + (last,)] = p_prefix * float(step[n_tokens - 1, last])
+    return probs
+
+
+def sampled_counts(target, policy, prompt, temperature, top_p, seed=1234):
+    config = SamplingConfig(max_new_tokens=N_TOKENS, temperature=temperature, top_p=top_p, seed=seed)
+    result = generate(target, policy, [prompt] * N_SAMPLES, config)
+    counts = {}
+    for r in result.requests:
+        key = tuple(r.output_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts, result
+
+
+def chi_square(exact, counts):
+    keys = sorted(exact, key=exact.get, reverse=True)
+    expected = np.array([exact[k] for k in keys])
+    expected = expected / expected.sum() * N_SAMPLES  # float rounding in the enumeration
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    assert observed.sum() == N_SAMPLES  # nothing outside the support
+    big = expected >= 5  # pool sparse cells so the χ² approximation holds
+    expected = np.append(expected[big], expected[~big].sum())
+    observed = np.append(observed[big], observed[~big].sum())
+    tv = 0.5 * np.abs(observed / N_SAMPLES - expected / N_SAMPLES).sum()
+    return stats.chisquare(observed, expected).pvalue, tv
+
+
+@pytest.fixture(scope="module")
+def small_models():
+    target = tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0)
+    draft = tiny_model(vocab=SMALL_VOCAB, seed=11, layers=1, scale=2.0)
+    return target, draft
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_fixed_k_sampling_matches_target(small_models, temperature, top_p):
+    target, draft = small_models
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, temperature, top_p)
+    counts, result = sampled_counts(target, FixedK(draft, k=3), prompt, temperature, top_p)
+    drafted = sum(r.drafted for r in result.requests)
+    accepted = sum(r.accepted for r in result.requests)
+    assert drafted > 0 and 0 < accepted < drafted  # both accept and reject paths are exercised
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue > 1e-3, f"fixed-k output distribution differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+def test_prompt_lookup_sampling_matches_target(small_models):
+    target, _ = small_models
+    prompt = [1, 2, 1, 2, 1]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    counts, result = sampled_counts(target, PromptLookup(k=3), prompt, 1.0, 1.0)
+    assert sum(r.drafted for r in result.requests) > 0
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue > 1e-3, f"pld output distribution differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+def broken_verify_chain(target_probs, draft_tokens, draft_probs, verify_lengths, generator):
+    """Accept/reject as usual but, on rejection, sample from p instead of norm(max(0, p − q))."""
+    b = target_probs.shape[0]
+    k_max = min(draft_tokens.shape[1], target_probs.shape[1] - 1)
+    rows = torch.arange(b)
+    if k_max == 0:
+        return torch.zeros(b, dtype=torch.long), sample(target_probs[:, 0], generator)
+    drafts = draft_tokens[:, :k_max]
+    p = target_probs[:, :k_max].gather(-1, drafts[..., None]).squeeze(-1)
+    q = draft_probs[:, :k_max].gather(-1, drafts[..., None]).squeeze(-1)
+    accept = (torch.rand(b, k_max, generator=generator) * q < p) & (torch.arange(k_max)[None] < verify_lengths[:, None])
+    accepted = accept.long().cumprod(1).sum(1)
+    return accepted, sample(target_probs[rows, accepted], generator)
+
+
+def test_chi_square_rejects_broken_verifier(small_models, monkeypatch):
+    target, draft = small_models
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    monkeypatch.setattr(core, "verify_chain", broken_verify_chain)
+    counts, _ = sampled_counts(target, FixedK(draft, k=3), prompt, 1.0, 1.0)
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue < 1e-6, f"the χ² test failed to notice a verifier without residual resampling (p={pvalue:.2e})"
