@@ -1,0 +1,110 @@
+"""Policy specs → policy objects.
+
+A spec is a TOML file in the top-level `policies/` folder (or a path to one) naming a builder and
+its parameters, e.g. `policies/fixed-k.toml`:
+
+    name = "fixed-k"
+    builder = "specbench.registry:build_fixed_k"
+    [params]
+    k = 4
+    drafter = "drafters/smollm2-135m/fixed-k"
+
+Third-party policies plug in the same way (a builder given by import path in their own TOML), or
+through the `specbench.policies` entry-point group (name → builder). A builder is called as
+`builder(target, **params)` with the loaded target (`specbench.loading.LoadedModel`) and returns a
+`specbench.policy.Policy`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import tomllib
+from pathlib import Path
+
+from specbench.errors import UserError
+from specbench.policy import Policy
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+POLICY_DIR = REPO_ROOT / "policies"
+
+
+def builtin_specs() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(POLICY_DIR.glob("*.toml"))}
+
+
+def entry_point_builders() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group="specbench.policies")}
+
+
+def list_policies() -> list[str]:
+    return sorted(set(builtin_specs()) | set(entry_point_builders()))
+
+
+def read_spec(name_or_path: str) -> dict:
+    """The spec dict (`name`, `builder`, `params`) for a policy name or a TOML path."""
+    path = Path(name_or_path)
+    if name_or_path.endswith(".toml"):
+        if not path.is_file():
+            raise UserError(f"policy spec {name_or_path} does not exist")
+    elif name_or_path in builtin_specs():
+        path = builtin_specs()[name_or_path]
+    elif name_or_path in entry_point_builders():
+        ep = entry_point_builders()[name_or_path]
+        return {"name": name_or_path, "builder": ep.value, "params": {}}
+    else:
+        raise UserError(f"unknown policy {name_or_path!r} (valid: {', '.join(list_policies())}, or a path to a .toml spec)")
+    try:
+        spec = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: invalid TOML: {e}") from None
+    if "builder" not in spec:
+        raise UserError(f"{path}: a policy spec needs a `builder = \"module:function\"` entry")
+    spec.setdefault("name", path.stem)
+    spec.setdefault("params", {})
+    return spec
+
+
+def import_object(dotted: str):
+    module_name, _, attr = dotted.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split(".") if attr else []:
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"cannot import {dotted!r}: {e}") from None
+    return obj
+
+
+def build_policy(name_or_path: str, target, overrides: dict | None = None) -> Policy:
+    spec = read_spec(name_or_path)
+    params = {**spec["params"], **(overrides or {})}
+    builder = import_object(spec["builder"])
+    try:
+        policy = builder(target, **params)
+    except TypeError as e:
+        raise UserError(f"policy {spec['name']!r}: bad parameters {sorted(params)}: {e}") from None
+    except ValueError as e:
+        raise UserError(f"policy {spec['name']!r}: {e}") from None
+    policy.name = spec["name"]
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders of the built-in policies
+
+
+def build_ar(target) -> Policy:
+    return Policy()
+
+
+def build_pld(target, k: int = 4, min_ngram: int = 1, max_ngram: int = 3) -> Policy:
+    from specbench.policies.pld import PromptLookup
+
+    return PromptLookup(k=k, min_ngram=min_ngram, max_ngram=max_ngram)
+
+
+def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
+    from specbench.drafters import load_draft_lm
+    from specbench.policies.fixed_k import FixedK
+
+    return FixedK(load_draft_lm(drafter, target), k=k, drafter=drafter)

@@ -1,0 +1,548 @@
+"""Layer 7: one self-contained HTML report and one PDF from the same figures and tables.
+
+``write_report(results, html_path=..., pdf_path=...)`` reads results records (a ``.jsonl``
+file or a directory of them), runs :mod:`specbench.stats`, and writes:
+
+1. speedup vs AR per workload × policy with 95% CI bars (and per category when a workload
+   has more than one category);
+2. per-user tokens/s against throughput across batch sizes (Pareto view);
+3. per-position acceptance curves (unconditional and conditional);
+4. τ (tokens per verify round) distributions per policy and batch size;
+
+plus the summary table (CIs, Holm-corrected significance), a "where speculation stops
+paying" table and the run environment. Figures are drawn on bare ``matplotlib.figure.Figure``
+objects (Agg canvas; pyplot's global state is never touched), embedded in the HTML as base64
+PNG (no scripts, no external URLs) and written to the PDF with ``PdfPages``. Each output is
+rendered fully in memory and then written atomically (temp file + rename), so a failure never
+leaves a half-written report behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import io
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.backends.backend_pdf import PdfPages
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from specbench import stats
+from specbench.errors import UserError
+
+_PALETTE = ["#4d4d4d", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
+_LINESTYLES = ["-", "--", ":", "-."]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X"]
+_DPI = 100
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _policy_order(policies) -> list[str]:
+    return sorted(set(policies), key=lambda p: (p != stats.BASELINE, p))
+
+
+def _colors(policies) -> dict[str, str]:
+    return {p: _PALETTE[i % len(_PALETTE)] for i, p in enumerate(_policy_order(policies))}
+
+
+def _fmt(x, nd=2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:.{nd}f}"
+
+
+def _fmt_ci(v, lo, hi, nd=2, suffix="") -> str:
+    if v is None or not np.isfinite(v):
+        return "–"
+    s = f"{v:.{nd}f}{suffix}"
+    if np.isfinite(lo) and np.isfinite(hi):
+        s += f" [{lo:.{nd}f}, {hi:.{nd}f}]"
+    return s
+
+
+def _fmt_p(p) -> str:
+    if p is None or not np.isfinite(p):
+        return "–"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _fmt_temp(t) -> str:
+    return f"{t:g}"
+
+
+def _grid(n: int, ncols: int = 3, w: float = 4.3, h: float = 3.3, title: str | None = None):
+    ncols = max(1, min(ncols, n))
+    nrows = max(1, math.ceil(n / ncols))
+    fig = Figure(figsize=(max(w * ncols, 7.0), h * nrows + (0.5 if title else 0)), dpi=_DPI)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=12, fontweight="bold")
+    return fig, axes[:n]
+
+
+def _empty_figure(title: str, text: str) -> Figure:
+    fig = Figure(figsize=(8, 2), dpi=_DPI)
+    ax = fig.subplots()
+    ax.axis("off")
+    ax.set_title(title, fontsize=12, fontweight="bold")
+    ax.text(0.5, 0.45, text, ha="center", va="center", fontsize=10, color="#555")
+    return fig
+
+
+def _speedup_axis(ax, values: Sequence[float]):
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x) and x > 0], dtype=float)
+    lo, hi = (min(v.min(), 1.0), max(v.max(), 1.0)) if v.size else (0.5, 2.0)
+    ax.set_yscale("log")
+    ax.set_ylim(lo / 1.15, hi * 1.15)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}×"))
+    ax.axhline(1.0, color="#888", lw=1, ls="--", zorder=0)
+    ax.grid(axis="y", color="#eee", zorder=-1)
+
+
+def _panel_title(parts: dict) -> str:
+    bits = []
+    for k, v in parts.items():
+        if k == "batch_size":
+            bits.append(f"b={v}")
+        elif k == "temperature":
+            bits.append(f"T={_fmt_temp(v)}")
+        else:
+            bits.append(str(v))
+    return ", ".join(bits)
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+
+
+def _dot_panels(summary: pd.DataFrame, xcol: str, panel_cols: list[str], title: str, colors) -> Figure:
+    """Speedup dots with CI bars: x = ``xcol`` values, one offset series per policy."""
+    s = summary[summary["policy"] != stats.BASELINE]
+    if s.empty:
+        return _empty_figure(title, "no speculative policies in these results (only the AR baseline)")
+    panels = list(s.groupby(panel_cols, sort=True))
+    fig, axes = _grid(len(panels), ncols=2 if len(panels) > 1 else 1, w=5.6, h=3.6, title=title)
+    pols = [p for p in _policy_order(s["policy"])]
+    width = 0.7
+    for ax, (key, d) in zip(axes, panels):
+        key = key if isinstance(key, tuple) else (key,)
+        xs = sorted(d[xcol].unique(), key=str)
+        step = width / max(len(pols), 1)
+        allv = []
+        for j, pol in enumerate(pols):
+            dp = d[d["policy"] == pol].set_index(xcol)
+            for i, x in enumerate(xs):
+                if x not in dp.index:
+                    continue
+                r = dp.loc[x]
+                gm, lo, hi = r["speedup"], r["speedup_ci_low"], r["speedup_ci_high"]
+                if not np.isfinite(gm):
+                    continue
+                xpos = i - width / 2 + step * (j + 0.5)
+                if np.isfinite(lo) and np.isfinite(hi):
+                    ax.errorbar(xpos, gm, yerr=[[gm - lo], [hi - gm]], color=colors[pol], capsize=3, lw=1.3, zorder=2)
+                    allv += [lo, hi]
+                sig = bool(r["significant"])
+                ax.plot(xpos, gm, marker="o", ms=6, color=colors[pol], mfc=colors[pol] if sig else "white", mew=1.5, zorder=3)
+                allv.append(gm)
+        ax.set_xticks(range(len(xs)))
+        ax.set_xticklabels([str(x) for x in xs], rotation=20 if len(xs) > 3 else 0, ha="right" if len(xs) > 3 else "center", fontsize=8)
+        ax.set_xlim(-0.6, len(xs) - 0.4)
+        _speedup_axis(ax, allv)
+        ax.set_title(_panel_title(dict(zip(panel_cols, key))), fontsize=10)
+        ax.set_ylabel("speedup vs AR (geo. mean)", fontsize=8)
+        ax.tick_params(labelsize=8)
+    handles = [
+        axes[0].plot([], [], marker="o", ls="", color=colors[p], label=p)[0] for p in pols
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(pols), 6), fontsize=9, frameon=False,
+               title="bars: 95% bootstrap CI; filled: Holm p<0.05; hollow: not significant", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.1 if len(panels) <= 2 else 0.06, 1, 0.95))
+    return fig
+
+
+def fig_speedup(summary: pd.DataFrame, colors) -> Figure:
+    return _dot_panels(summary, "workload", ["temperature", "batch_size"], "Speedup vs AR per workload (paired, per prompt)", colors)
+
+
+def fig_speedup_by_category(summary_cat: pd.DataFrame, colors) -> Figure | None:
+    multi = summary_cat.groupby("workload")["category"].nunique()
+    multi = multi[multi > 1].index
+    if len(multi) == 0:
+        return None
+    s = summary_cat[summary_cat["workload"].isin(multi)]
+    return _dot_panels(s, "category", ["workload", "temperature", "batch_size"], "Speedup vs AR per category", colors)
+
+
+def fig_pareto(summary: pd.DataFrame, colors) -> Figure:
+    title = "Per-user tokens/s vs throughput across batch sizes"
+    s = summary[np.isfinite(summary["throughput"].astype(float)) & np.isfinite(summary["tps_median"].astype(float))]
+    if s.empty:
+        return _empty_figure(title, "no throughput data")
+    panels = list(s.groupby(["workload", "temperature"], sort=True))
+    fig, axes = _grid(len(panels), ncols=2 if len(panels) > 1 else 1, w=5.6, h=3.8, title=title)
+    pols = _policy_order(s["policy"])
+    for ax, ((wl, t), d) in zip(axes, panels):
+        for k, pol in enumerate(pols):
+            dp = d[d["policy"] == pol].sort_values("batch_size")
+            if dp.empty:
+                continue
+            x, y = dp["throughput"].to_numpy(float), dp["tps_median"].to_numpy(float)
+            lo, hi = dp["tps_ci_low"].to_numpy(float), dp["tps_ci_high"].to_numpy(float)
+            yerr = np.vstack([np.where(np.isfinite(lo), y - lo, 0), np.where(np.isfinite(hi), hi - y, 0)])
+            ax.errorbar(x, y, yerr=yerr, color=colors[pol], marker=_MARKERS[k % len(_MARKERS)], ms=5, lw=1.5, capsize=2, label=pol)
+            for xi, yi, b in zip(x, y, dp["batch_size"]):
+                ax.annotate(f"b={b}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7, color=colors[pol])
+        ax.set_title(_panel_title({"workload": wl, "temperature": t}), fontsize=10)
+        ax.set_xlabel("throughput, tokens/s (all users)", fontsize=8)
+        ax.set_ylabel("per-user tokens/s (median, 95% CI)", fontsize=8)
+        ax.grid(color="#eee")
+        ax.tick_params(labelsize=8)
+        ax.margins(x=0.12, y=0.12)
+        ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def fig_position(pos: pd.DataFrame, colors) -> Figure:
+    title = "Per-position acceptance"
+    if pos.empty:
+        return _empty_figure(title, "no per-position acceptance data (no speculative policies)")
+    panels = list(pos.groupby(["workload", "temperature"], sort=True))
+    n = len(panels)
+    fig = Figure(figsize=(max(4.6 * n, 7.0), 6.6), dpi=_DPI)
+    axes = fig.subplots(2, n, squeeze=False)
+    fig.suptitle(title, fontsize=12, fontweight="bold")
+    bss = sorted(pos["batch_size"].unique())
+    ls = {b: _LINESTYLES[i % len(_LINESTYLES)] for i, b in enumerate(bss)}
+    for j, ((wl, t), d) in enumerate(panels):
+        for row, (col, ylabel) in enumerate([("acceptance", "P(accepted ≥ k | drafted ≥ k)"), ("conditional", "conditional: acc[k] / acc[k−1]")]):
+            ax = axes[row, j]
+            for (pol, b), dp in d.groupby(["policy", "batch_size"], sort=True):
+                dp = dp.sort_values("position")
+                ax.plot(dp["position"], dp[col], color=colors[pol], ls=ls[b], marker="o", ms=3, lw=1.4, label=f"{pol}, b={b}")
+            ax.set_ylim(0, 1.05)
+            ax.grid(color="#eee")
+            ax.tick_params(labelsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            if row == 0:
+                ax.set_title(_panel_title({"workload": wl, "temperature": t}), fontsize=10)
+            else:
+                ax.set_xlabel("draft position k", fontsize=8)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        axes[0, j].legend(fontsize=7, frameon=False, ncol=2)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def fig_tau(df: pd.DataFrame, colors) -> Figure:
+    title = "τ: tokens per verify round (accepted + bonus), per request"
+    d = df[(df["policy"] != stats.BASELINE)]
+    if "tau" not in d or d["tau"].dropna().empty:
+        return _empty_figure(title, "no speculative policies in these results")
+    d = d.dropna(subset=["tau"])
+    panels = list(d.groupby(["workload", "temperature"], sort=True))
+    fig, axes = _grid(len(panels), ncols=2 if len(panels) > 1 else 1, w=5.6, h=3.6, title=title)
+    for ax, ((wl, t), dp) in zip(axes, panels):
+        groups = sorted(dp.groupby(["policy", "batch_size"]).groups.keys(), key=lambda k: (_policy_order(d["policy"]).index(k[0]), k[1]))
+        data = [dp[(dp["policy"] == p) & (dp["batch_size"] == b)]["tau"].to_numpy(float) for p, b in groups]
+        bp = ax.boxplot(data, patch_artist=True, widths=0.6, showfliers=True, flierprops=dict(ms=2, alpha=0.5))
+        for patch, (p, b) in zip(bp["boxes"], groups):
+            patch.set_facecolor(colors[p])
+            patch.set_alpha(0.55)
+        for med in bp["medians"]:
+            med.set_color("black")
+        ax.set_xticks(range(1, len(groups) + 1))
+        ax.set_xticklabels([f"{p}\nb={b}" for p, b in groups], fontsize=8)
+        ax.axhline(1.0, color="#888", lw=1, ls="--", zorder=0)
+        ax.set_ylabel("τ (AR = 1)", fontsize=8)
+        ax.set_title(_panel_title({"workload": wl, "temperature": t}), fontsize=10)
+        ax.grid(axis="y", color="#eee")
+        ax.tick_params(labelsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+
+
+def summary_table(summary: pd.DataFrame, with_category: bool = False) -> pd.DataFrame:
+    """Formatted (string) summary table shared by the HTML and the PDF."""
+    rows = []
+    for _, r in summary.iterrows():
+        base = r["policy"] == stats.BASELINE
+        row = {"Workload": r["workload"]}
+        if with_category:
+            row["Category"] = r["category"]
+        row.update({
+            "b": str(r["batch_size"]),
+            "T": _fmt_temp(r["temperature"]),
+            "Policy": r["policy"],
+            "n": str(r["n"]) if pd.notna(r["n"]) else "–",
+            "Speedup [95% CI]": "1 (baseline)" if base else _fmt_ci(r["speedup"], r["speedup_ci_low"], r["speedup_ci_high"], suffix="×")
+            + (" *" if r["significant"] else ""),
+            "Holm p": "" if base else _fmt_p(r["p_holm"]),
+            "med. log s": "" if base else _fmt(r["median_log_speedup"], 3),
+            "r_rb": "" if base else _fmt(r["rank_biserial"], 2),
+            "Ratio of means": "" if base else _fmt(r["speedup_ratio_of_means"]) + "×",
+            "τ [95% CI]": _fmt_ci(r["tau"], r["tau_ci_low"], r["tau_ci_high"]),
+            "Accept rate [95% CI]": "" if base else _fmt_ci(r["acceptance_rate"], r["acceptance_ci_low"], r["acceptance_ci_high"]),
+            "tok/s/user median [95% CI]": _fmt_ci(r["tps_median"], r["tps_ci_low"], r["tps_ci_high"], nd=1),
+            "Throughput tok/s": _fmt(r["throughput"], 1),
+            "Note": "" if r["note"] == "baseline" else (r["note"] or ""),
+        })
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def breakeven_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per (workload, T, policy): batch sizes with a significant gain / no evidence / a loss."""
+    s = summary[summary["policy"] != stats.BASELINE]
+    rows = []
+    for (wl, t, pol), d in s.groupby(["workload", "temperature", "policy"], sort=True):
+        d = d.sort_values("batch_size")
+        gain = d[d["significant"] & (d["speedup"] > 1)]["batch_size"]
+        loss = d[d["significant"] & (d["speedup"] < 1)]["batch_size"]
+        none = d[~d["significant"]]["batch_size"]
+        j = lambda v: ", ".join(map(str, v)) or "–"  # noqa: E731
+        rows.append({"Workload": wl, "T": _fmt_temp(t), "Policy": pol, "faster (Holm p<0.05)": j(gain),
+                     "no significant difference": j(none), "slower (Holm p<0.05)": j(loss)})
+    return pd.DataFrame(rows, columns=["Workload", "T", "Policy", "faster (Holm p<0.05)", "no significant difference", "slower (Holm p<0.05)"])
+
+
+def _html_table(t: pd.DataFrame, cls: str = "") -> str:
+    if t.empty:
+        return "<p class='muted'>(empty)</p>"
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in t.columns)
+    body = []
+    for _, r in t.iterrows():
+        cells = []
+        for c in t.columns:
+            v = html.escape(str(r[c]))
+            if c.startswith("Speedup") and v.endswith(" *"):
+                v = f"<b>{v[:-2]}</b><span class='sig'> *</span>"
+            cells.append(f"<td>{v}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<div class='scroll'><table class='{cls}'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
+
+
+def _table_pages(t: pd.DataFrame, title: str, rows_per_page: int = 24, col_widths: dict | None = None) -> list[Figure]:
+    """Landscape A4 pages holding a formatted table (for the PDF)."""
+    figs = []
+    if t.empty:
+        return figs
+    pages = max(1, math.ceil(len(t) / rows_per_page))
+    for p in range(pages):
+        chunk = t.iloc[p * rows_per_page : (p + 1) * rows_per_page]
+        fig = Figure(figsize=(11.69, 8.27), dpi=_DPI)
+        ax = fig.subplots()
+        ax.axis("off")
+        ax.set_title(title + (f" ({p + 1}/{pages})" if pages > 1 else ""), fontsize=12, fontweight="bold", loc="left")
+        cells = chunk.astype(str).to_numpy().tolist()
+        tab = ax.table(cellText=cells, colLabels=list(chunk.columns), cellLoc="left", loc="upper left")
+        tab.auto_set_font_size(False)
+        tab.auto_set_column_width(list(range(len(chunk.columns))))
+        size = 9.0
+        tab.set_fontsize(size)
+        # measure once and shrink the font so the table fits the page width
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        tw, aw = tab.get_window_extent(renderer).width, ax.get_window_extent(renderer).width
+        if tw > aw:
+            tab.set_fontsize(max(5.0, size * aw / tw * 0.97))
+        tab.scale(1, 1.3)
+        for (i, _), cell in tab.get_celld().items():
+            cell.set_edgecolor("#ccc")
+            if i == 0:
+                cell.set_facecolor("#eef2f7")
+                cell.set_text_props(fontweight="bold")
+        figs.append(fig)
+    return figs
+
+
+def _text_page(title: str, lines: list[str]) -> Figure:
+    fig = Figure(figsize=(11.69, 8.27), dpi=_DPI)
+    fig.text(0.06, 0.92, title, fontsize=16, fontweight="bold", va="top")
+    fig.text(0.06, 0.85, "\n".join(lines), fontsize=9, va="top", family="DejaVu Sans", linespacing=1.6)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Assembly
+
+
+_CSS = """
+body{font-family:-apple-system,'Segoe UI',Roboto,'DejaVu Sans',Arial,sans-serif;margin:24px auto;max-width:1180px;
+color:#222;line-height:1.45;padding:0 16px;background:#fff}
+h1{font-size:1.6em;margin-bottom:0.2em}h2{font-size:1.2em;margin-top:1.8em;border-bottom:1px solid #ddd;padding-bottom:3px}
+.muted{color:#666;font-size:0.9em}
+table{border-collapse:collapse;font-size:0.8em;margin:8px 0;width:100%}
+th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#eef2f7}td{white-space:nowrap}td:last-child{white-space:normal}
+.scroll{overflow-x:auto}tbody tr:nth-child(even){background:#fafafa}
+.sig{color:#c00;font-weight:bold}
+figure{margin:12px 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
+figcaption{font-size:0.85em;color:#555}
+.env td:first-child{white-space:nowrap;font-weight:600}
+"""
+
+
+def _png_b64(fig: Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI, facecolor="white")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+_METHOD = (
+    "Speedup is paired per prompt: each policy's tokens/s (decode rate per user, TTFT excluded) "
+    "is divided by the AR baseline's on the same prompt, turn, batch size and temperature "
+    "(tokens/s averaged over repeats first; turns of one prompt averaged on the log scale). "
+    "The headline is the geometric mean over prompts with a 95% BCa bootstrap CI "
+    "({n_resamples} resamples, seed {seed}); p is a two-sided Wilcoxon signed-rank test of the log "
+    "speedups, Holm-corrected across every cell of the table; * marks Holm p < 0.05. "
+    "Effect sizes: median log speedup and matched-pairs rank-biserial r_rb. "
+    "'Ratio of means' is Spec-Bench's mean(tok/s policy) / mean(tok/s AR), for comparability. "
+    "τ = tokens per verify round incl. the bonus token (mean over prompts); acceptance rate = Σaccepted / Σdrafted; "
+    "throughput = Σ tokens of all batches / Σ their wall time (prefill included)."
+)
+
+
+def write_report(
+    results_path: str | Path,
+    html_path: str | Path | None = None,
+    pdf_path: str | Path | None = None,
+    *,
+    title: str | None = None,
+    n_resamples: int = stats.DEFAULT_RESAMPLES,
+    seed: int = stats.DEFAULT_SEED,
+) -> None:
+    """Write the HTML and/or PDF report for the results under ``results_path``.
+
+    At least one of ``html_path`` / ``pdf_path`` must be given. Raises
+    :class:`specbench.errors.UserError` for missing or malformed results.
+    """
+    if html_path is None and pdf_path is None:
+        raise UserError("nothing to write: give an HTML path, a PDF path, or both")
+    results_path = Path(results_path)
+    df = stats.load_results(results_path)
+    title = title or f"specbench report: {results_path.name or results_path}"
+    summary = stats.summarize(df, n_resamples=n_resamples, seed=seed)
+    cats = df.groupby("workload")["category"].nunique()
+    summary_cat = stats.summarize(df, by_category=True, n_resamples=n_resamples, seed=seed) if (cats > 1).any() else None
+    pos = stats.position_acceptance(df)
+    env = stats.environment(df)
+    colors = _colors(df["policy"])
+
+    figs: list[tuple[str, str, Figure]] = [
+        ("Speedup vs AR", "Geometric-mean per-prompt speedup vs AR with 95% bootstrap CI; the dashed line is 1× (no gain).",
+         fig_speedup(summary, colors)),
+    ]
+    if summary_cat is not None:
+        fc = fig_speedup_by_category(summary_cat, colors)
+        if fc is not None:
+            figs.append(("Speedup per category", "Same as above within each category (fewer prompts per cell: wider CIs; "
+                         "Holm correction across all category cells).", fc))
+    figs += [
+        ("Per-user rate vs throughput", "Each point is one batch size (labelled b=…); up = faster for each user, "
+         "right = more tokens/s for the machine. Error bars: 95% CI of the median per-user rate.", fig_pareto(summary, colors)),
+        ("Per-position acceptance", "Top: unconditional acceptance at draft position k = rounds accepting ≥ k drafts / rounds "
+         "verifying ≥ k drafts. Bottom: conditional = ratio of consecutive unconditional values. Line style = batch size.",
+         fig_position(pos, colors)),
+        ("τ distributions", "Tokens emitted per verify round (accepted drafts + bonus token), one value per request.",
+         fig_tau(df, colors)),
+    ]
+    table = summary_table(summary)
+    table_cat = summary_table(summary_cat, with_category=True) if summary_cat is not None else None
+    be = breakeven_table(summary)
+    method = _METHOD.format(n_resamples=n_resamples, seed=seed)
+    generated = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    files = sorted(set(df["_file"]))
+    meta = (f"{len(df)} records from {len(files)} file(s) under {results_path}; "
+            f"workloads: {', '.join(sorted(df['workload'].unique()))}; policies: {', '.join(_policy_order(df['policy']))}; "
+            f"batch sizes {', '.join(map(str, sorted(df['batch_size'].unique())))}; generated {generated}.")
+    if df.attrs.get("duplicates_dropped"):
+        meta += f" {df.attrs['duplicates_dropped']} duplicate record(s) (same key) ignored."
+
+    try:
+        if html_path is not None:
+            parts = [
+                "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+                "<meta name='viewport' content='width=device-width,initial-scale=1'>",
+                f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+                f"<h1>{html.escape(title)}</h1><p class='muted'>{html.escape(meta)}</p>",
+                f"<h2>Summary</h2><p class='muted'>{html.escape(method)}</p>",
+                _html_table(table),
+                "<h2>Where speculation stops paying</h2><p class='muted'>Batch sizes at which each policy is "
+                "significantly faster than AR, not distinguishable from it, or significantly slower (Holm p &lt; 0.05).</p>",
+                _html_table(be),
+            ]
+            for i, (h, cap, fig) in enumerate(figs, 1):
+                parts.append(f"<h2>{i}. {html.escape(h)}</h2><figure><img alt='{html.escape(h)}' "
+                             f"src='data:image/png;base64,{_png_b64(fig)}'><figcaption>{html.escape(cap)}</figcaption></figure>")
+            if table_cat is not None:
+                parts += ["<h2>Summary per category</h2>", _html_table(table_cat)]
+            parts += ["<h2>Run environment</h2>", _html_table(env.rename(columns={"field": "Field", "value": "Value"}), "env"),
+                      "<p class='muted'>specbench — paired per-prompt statistics; see docs for definitions.</p></body></html>"]
+            _atomic_write(Path(html_path), "".join(parts).encode("utf-8"))
+
+        if pdf_path is not None:
+            buf = io.BytesIO()
+            pages = [_text_page(title, [meta, "", *_wrap(method, 150)])]
+            narrow = table.drop(columns=["med. log s", "r_rb", "Note"])
+            pages += _table_pages(narrow, "Summary (* = Holm p < 0.05)")
+            pages += _table_pages(be, "Where speculation stops paying")
+            pages += [f for _, _, f in figs]
+            if table_cat is not None:
+                pages += _table_pages(table_cat.drop(columns=["med. log s", "r_rb", "Note"]), "Summary per category")
+            pages += _table_pages(env.rename(columns={"field": "Field", "value": "Value"}), "Run environment", rows_per_page=30)
+            with PdfPages(buf, metadata={"Title": title, "Creator": "specbench"}) as pdf:
+                for f in pages:
+                    pdf.savefig(f, facecolor="white")
+            _atomic_write(Path(pdf_path), buf.getvalue())
+    finally:
+        for _, _, f in figs:
+            f.clear()
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
+
+
+__all__ = ["write_report", "summary_table", "breakeven_table", "fig_speedup", "fig_pareto", "fig_position", "fig_tau"]
