@@ -94,6 +94,9 @@ def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor
     cache_lengths[r]); returns the model's (logits, taps, hidden)."""
     b, q = tokens.shape
     positions = cache_lengths[:, None] + torch.arange(q, device=tokens.device)[None]
+    graphed = getattr(model, "graphed", None)
+    if graphed is not None:  # static shapes: attend over the whole cache, the mask hides the rest
+        return graphed(tokens, positions, positions, chain_mask(cache_lengths, q, model.max_seq), taps=taps)
     kv_len = min(round_up(int(cache_lengths.max()) + q, KV_BUCKET), model.max_seq)
     return model(tokens, positions, positions, chain_mask(cache_lengths, q, kv_len), taps=taps)
 

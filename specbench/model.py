@@ -82,6 +82,11 @@ def _rope_scaling(c: dict) -> dict | None:
     return dict(scaling)
 
 
+# Fold each KV group's query heads into the query axis (see Attention.forward). Benchmarks switch it
+# off to measure the plain path; both compute the same attention.
+FOLD_GQA_HEADS = True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -135,10 +140,15 @@ class Attention(nn.Module):
         # q >= 2; DESIGN.md "More H200 measurements"). Query head h uses KV head h // group, as in
         # transformers' repeat_kv, so this is the same computation.
         group = nh // nkv
-        xq = xq.transpose(1, 2).reshape(b, nkv, group * q, hd)
-        folded_mask = mask[:, None, None].expand(b, 1, group, q, kv_len).reshape(b, 1, group * q, kv_len)
-        out = F.scaled_dot_product_attention(xq, keys.to(xq.dtype), values.to(xq.dtype), attn_mask=folded_mask)
-        out = out.view(b, nh, q, hd).transpose(1, 2).reshape(b, q, nh * hd)
+        keys, values = keys.to(xq.dtype), values.to(xq.dtype)
+        if FOLD_GQA_HEADS:
+            xq = xq.transpose(1, 2).reshape(b, nkv, group * q, hd)
+            folded_mask = mask[:, None, None].expand(b, 1, group, q, kv_len).reshape(b, 1, group * q, kv_len)
+            out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=folded_mask)
+        else:  # the plain path (benchmarks compare against it): KV repeated per query head
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys, values, attn_mask=mask[:, None])
+        out = out.reshape(b, nh, q, hd).transpose(1, 2).reshape(b, q, nh * hd)
         return self.o_proj(out)
 
 

@@ -1,0 +1,219 @@
+"""Step-time benchmark of the decode core's target forward (not a test: numbers go to
+docs/performance.md and results/perf/).
+
+Measures, for one model shape on one device:
+  * the AR step (q = 1) and the verify step (q = 8 and others) at chosen batch sizes and context;
+  * on CUDA: with CUDA graphs (the core's graphed path), the HBM floor = weight bytes / measured
+    device-to-device copy bandwidth, and the fraction of that roofline reached;
+  * the verify-cost ratio T(q)/T(1) with the folded-GQA attention and with the plain path
+    (KV repeated per query head), plus the max relative difference between their outputs;
+  * transformers.generate on the same weights at b = 1 (tokens/s), for the "×HF" comparison.
+
+Usage:
+  python benchmarks/step_bench.py --shape smollm2-135m --real-weights --device cpu --out results/perf/cpu.json
+  python benchmarks/step_bench.py --shape llama-8b --device cuda --dtype bfloat16 --batches 1,256 --out results/perf/h200.json
+  python benchmarks/step_bench.py --shape tiny --device cpu   # seconds: checks the script itself
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import specbench.model as model_module  # noqa: E402
+from specbench.core import synchronize  # noqa: E402
+from specbench.cuda_graphs import enable_cuda_graphs  # noqa: E402
+from specbench.model import ModelArgs, Transformer  # noqa: E402
+from specbench.profile import time_forward  # noqa: E402
+
+SHAPES = {
+    # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
+    "llama-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                     rope_theta=500000.0, norm_eps=1e-5,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # SmolLM2-135M (the embedded default target)
+    "smollm2-135m": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536,
+                         rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True),
+    "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128),
+}
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype) -> Transformer:
+    args = ModelArgs(**SHAPES[shape])
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.inv_freq = model_module.rope_inv_freq(args).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def copy_bandwidth(device: str, n_bytes: int = 2 * 2**30, iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s from a large on-device copy (read + write)."""
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(iters + 2):
+        synchronize(torch.device(device))
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(torch.device(device))
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return 2 * n_bytes / statistics.median(times)
+
+
+def weight_bytes(model: Transformer) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def hf_generate_tokens_per_s(model: Transformer, device: str, dtype, new_tokens: int, context: int) -> float:
+    """transformers.generate on the same weights, b = 1, greedy, fixed output length."""
+    import transformers
+
+    a = model.args
+    config = transformers.LlamaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads, intermediate_size=a.intermediate_size, rope_theta=a.rope_theta,
+        rope_scaling=a.rope_scaling, rms_norm_eps=a.norm_eps, tie_word_embeddings=a.tie_embeddings,
+        max_position_embeddings=max(8192, context + new_tokens + 8))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    hf.load_state_dict(model.state_dict(), strict=False)
+    hf.eval()
+    prompt = torch.randint(0, a.vocab_size, (1, context), device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    hf.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    synchronize(torch.device(device))
+    start = time.perf_counter()
+    hf.generate(prompt, **kwargs)
+    synchronize(torch.device(device))
+    return new_tokens / (time.perf_counter() - start)
+
+
+def core_generate_tokens_per_s(model: Transformer, new_tokens: int, context: int) -> float:
+    """Our whole AR decode loop (sampling, commit, bookkeeping included) at b = 1, greedy."""
+    from specbench.core import SamplingConfig, generate
+    from specbench.policy import Policy
+
+    prompt = torch.randint(0, model.args.vocab_size, (context,)).tolist()
+    generate(model, Policy(), [prompt], SamplingConfig(max_new_tokens=4))  # warm-up / graph capture
+    result = generate(model, Policy(), [prompt], SamplingConfig(max_new_tokens=new_tokens)).requests[0]
+    return result.tokens_per_s
+
+
+def fold_exactness(model: Transformer, batch: int, q: int, context: int) -> float:
+    """Max relative difference of logits between the folded and the plain attention path."""
+    from specbench.core import forward_new_tokens
+
+    tokens = torch.randint(0, model.args.vocab_size, (batch, q), device=model.device)
+    cache = torch.full((batch,), context, dtype=torch.long, device=model.device)
+    graphed = getattr(model, "graphed", None)
+    model.graphed = None
+    try:
+        model_module.FOLD_GQA_HEADS = True
+        folded = forward_new_tokens(model, tokens, cache)[0].float()
+        model_module.FOLD_GQA_HEADS = False
+        plain = forward_new_tokens(model, tokens, cache)[0].float()
+    finally:
+        model_module.FOLD_GQA_HEADS = True
+        model.graphed = graphed
+    return float((folded - plain).abs().max() / plain.abs().max())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument("--real-weights", action="store_true", help="smollm2-135m: load the real default model")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--qs", default="1,2,4,8")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--plain-too", action="store_true", help="also time the plain (unfolded) attention path")
+    ap.add_argument("--hf-tokens", type=int, default=0, help="also time transformers.generate for this many tokens at b=1")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+
+    if args.real_weights:
+        from specbench.loading import load_model
+
+        model = load_model("smollm2-135m", device=args.device, dtype=dtype).model
+    else:
+        model = random_model(args.shape, args.device, dtype)
+    cuda = args.device.startswith("cuda")
+    if cuda and not args.no_graphs:
+        enable_cuda_graphs(model)
+
+    batches = [int(x) for x in args.batches.split(",")]
+    qs = [int(x) for x in args.qs.split(",")]
+    result = {
+        "shape": args.shape, "real_weights": args.real_weights, "device": args.device, "dtype": args.dtype,
+        "context": args.context, "cuda_graphs": cuda and not args.no_graphs,
+        "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "weight_bytes": weight_bytes(model), "steps": [],
+    }
+    for fold in ([True, False] if args.plain_too else [True]):
+        model_module.FOLD_GQA_HEADS = fold
+        if cuda and not args.no_graphs:
+            model.graphed.graphs.clear()  # graphs bake in the attention path
+        for b in batches:
+            for q in qs:
+                times = time_forward(model, b, q, args.context, iters=args.iters)
+                ms = 1e3 * statistics.median(times)
+                result["steps"].append({"attention": "folded" if fold else "plain", "batch": b, "q": q,
+                                        "median_ms": ms, "min_ms": 1e3 * min(times), "n": len(times)})
+                print(f"{'folded' if fold else 'plain ':6} b={b:<4} q={q:<3} {ms:9.2f} ms", flush=True)
+    model_module.FOLD_GQA_HEADS = True
+    result["fold_max_rel_diff"] = fold_exactness(model, batches[-1], max(qs), args.context)
+    if cuda:
+        bw = copy_bandwidth(args.device)
+        floor_ms = 1e3 * result["weight_bytes"] / bw
+        ar = next(s for s in result["steps"] if s["batch"] == 1 and s["q"] == 1 and s["attention"] == "folded")
+        result.update(copy_bandwidth_gb_s=bw / 1e9, hbm_floor_ms=floor_ms, roofline_fraction_b1=floor_ms / ar["median_ms"])
+    if args.hf_tokens:
+        ours_tps = core_generate_tokens_per_s(model, args.hf_tokens, args.context)
+        model.graphed = None
+        hf_tps = hf_generate_tokens_per_s(model, args.device, dtype, args.hf_tokens, args.context)
+        result.update(hf_generate_tokens_per_s=hf_tps, core_generate_tokens_per_s_b1=ours_tps,
+                      speedup_vs_hf_generate=ours_tps / hf_tps)
+    for s in result["steps"]:
+        base = next(t for t in result["steps"] if t["attention"] == s["attention"] and t["batch"] == s["batch"] and t["q"] == 1)
+        s["ratio_to_q1"] = s["median_ms"] / base["median_ms"]
+    summary = {k: v for k, v in result.items() if k != "steps"}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
