@@ -19,7 +19,7 @@ from torch import Tensor
 from specbench.model import Transformer
 from specbench.policy import BatchState, Draft, Policy
 from specbench.sampling import make_generator, probs_from_logits, sample
-from specbench.verify import verify_chain
+from specbench.verify import verify_chain, verify_tree
 
 KV_BUCKET = 64  # attention reads the cache up to a multiple of this, so shapes repeat across rounds
 
@@ -150,47 +150,41 @@ def generate(
     policy.begin(state, prompt_features)
 
     while bool(state.active.any()):
-        cache_lengths = state.lengths - 1  # the anchor's KV is computed in this round's forward
         draft = policy.propose(state)
         if draft is None:
             draft = Draft(tokens=torch.zeros(b, 0, dtype=torch.long, device=device), probs=None, lengths=zeros)
-            verify_lengths = zeros
+        verify_lengths = policy.schedule(draft, state).clamp(max=draft.tokens.shape[1]) * state.active
+        active_list = state.active.tolist()
+        if draft.parents is None:
+            paths, next_token, verify_features, depths, nodes_list = _verify_chain_round(
+                target, policy, state, draft, verify_lengths, config)
         else:
-            verify_lengths = policy.schedule(draft, state).clamp(max=draft.tokens.shape[1])
-        # Never verify past the token budget (the bonus token takes one) and nothing for finished rows.
-        budget = (max_new - (state.lengths - state.prompt_lengths) - 1).clamp_min(0)
-        verify_lengths = torch.minimum(verify_lengths, budget) * state.active
-        q = int(verify_lengths.max()) + 1
+            paths, next_token, verify_features, depths, nodes_list = _verify_tree_round(
+                target, policy, state, draft, verify_lengths, config)
 
-        anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])
-        inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
-        logits, verify_features, _ = forward_new_tokens(target, inputs, cache_lengths, policy.target_taps)
-        target_probs = probs_from_logits(logits, config.temperature, config.top_p)
-        accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
-
-        accepted_list, next_list = accepted.tolist(), next_token.tolist()
-        lengths_list, active_list = verify_lengths.tolist(), state.active.tolist()
-        drafts_list = draft.tokens[:, : q - 1].tolist()
+        next_list = next_token.tolist()
+        drafts_list = draft.tokens.tolist()
         new_tokens = []
         for r in range(b):
             if not active_list[r]:
                 new_tokens.append([])
                 continue
-            a, ell, res = accepted_list[r], lengths_list[r], results[r]
-            new_tokens.append(drafts_list[r][:a] + [next_list[r]])
+            res = results[r]
+            new_tokens.append([drafts_list[r][i] for i in paths[r]] + [next_list[r]])
             res.rounds += 1
-            res.drafted += ell
-            _count_positions(res.drafted_per_position, ell)
-            _count_positions(res.accepted_per_position, a)
-            res.trace_verify_len.append(ell)
+            res.drafted += nodes_list[r]
+            _count_positions(res.drafted_per_position, depths[r])
+            _count_positions(res.accepted_per_position, len(paths[r]))
+            res.trace_verify_len.append(nodes_list[r])
         emitted = _commit(state, results, new_tokens, eos, max_new)
+        accepted = torch.tensor([len(p) if active_list[r] else 0 for r, p in enumerate(paths)], device=device)
         for r in range(b):
             if active_list[r]:
-                # Accepted drafts that were actually emitted (EOS can cut a round short).
-                kept = min(accepted_list[r], emitted[r])
+                # Accepted drafts that were actually emitted (EOS or the budget can cut a round short).
+                kept = min(len(paths[r]), emitted[r])
                 results[r].accepted += kept
                 results[r].trace_accepted.append(kept)
-        policy.observe(state, accepted * state.active, verify_features)
+        policy.observe(state, accepted, verify_features)
         synchronize(device)
         now = time.perf_counter()
         for r in range(b):
@@ -201,6 +195,85 @@ def generate(
     for r, res in enumerate(results):
         res.decode_s = (finished_at[r] or t_end) - t_first
     return BatchResult(requests=results, wall_s=t_end - t_start)
+
+
+def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_lengths: Tensor, config: SamplingConfig):
+    """Returns (accepted node indices per row, next token [b], committed-first target features,
+    depth verified per row, drafts verified per row). One forward over [anchor, x_1..x_ℓ] per row; the accepted drafts are already in place in the
+    cache (consecutive slots), so committing them is just advancing the row's length."""
+    cache_lengths = state.lengths - 1  # the anchor's KV is computed in this round's forward
+    # Never verify past the token budget (the bonus token takes one).
+    budget = (state.max_new_tokens - (state.lengths - state.prompt_lengths) - 1).clamp_min(0)
+    verify_lengths = torch.minimum(verify_lengths, budget)
+    q = int(verify_lengths.max()) + 1
+    anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])
+    inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
+    logits, verify_features, _ = forward_new_tokens(target, inputs, cache_lengths, policy.target_taps)
+    target_probs = probs_from_logits(logits, config.temperature, config.top_p)
+    accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
+    paths = [list(range(a)) for a in accepted.tolist()]
+    return paths, next_token, verify_features, verify_lengths.tolist(), verify_lengths.tolist()
+
+
+def tree_layout(parents: Tensor, n_nodes: Tensor) -> tuple[Tensor, Tensor]:
+    """For the verify inputs [root (anchor), node_0, ..., node_{N-1}]: depth [b, 1+N] (root 0) and
+    ancestor-or-self [b, 1+N, 1+N]. Nodes past a row's n_nodes hang off the root (ignored)."""
+    b, n = parents.shape
+    device = parents.device
+    valid = torch.arange(n, device=device)[None] < n_nodes[:, None]
+    parent_index = torch.where(valid, parents, -1) + 1  # index into [root, nodes...]
+    depth = torch.zeros(b, n + 1, dtype=torch.long, device=device)
+    ancestors = torch.eye(n + 1, dtype=torch.bool, device=device).repeat(b, 1, 1)
+    rows = torch.arange(b, device=device)
+    for i in range(n):
+        depth[:, i + 1] = depth[rows, parent_index[:, i]] + 1
+        ancestors[:, i + 1] |= ancestors[rows, parent_index[:, i]]
+    return depth, ancestors
+
+
+def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes: Tensor, config: SamplingConfig):
+    """One forward over [anchor, tree nodes...] per row with a tree mask and depth positions, then
+    recursive rejection sampling down the tree; the accepted path's KV is moved to consecutive slots."""
+    b, device = state.batch_size, state.tokens.device
+    cache_lengths = state.lengths - 1
+    q = int(n_nodes.max()) + 1
+    parents = draft.parents[:, : q - 1]
+    depth, ancestors = tree_layout(parents, n_nodes)
+    anchors = state.tokens.gather(1, cache_lengths[:, None])
+    inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
+    positions = cache_lengths[:, None] + depth
+    slots = cache_lengths[:, None] + torch.arange(q, device=device)[None]
+    graphed = getattr(target, "graphed", None)
+    kv_len = target.max_seq if graphed is not None else min(round_up(int(cache_lengths.max()) + q, KV_BUCKET), target.max_seq)
+    key = torch.arange(kv_len, device=device)[None, None]
+    offset = key - cache_lengths[:, None, None]  # key slot relative to the anchor's slot
+    in_tree = ancestors.gather(2, offset.clamp(0, q - 1).expand(b, q, kv_len))
+    mask = (offset < 0) | ((offset < q) & in_tree)
+    forward = graphed or target
+    logits, verify_features, _ = forward(inputs, positions, slots, mask, taps=policy.target_taps)
+    target_probs = probs_from_logits(logits, config.temperature, config.top_p)
+    paths, next_token = verify_tree(target_probs, draft.tokens, parents, draft.probs, n_nodes, state.generator)
+
+    # Commit: accepted node i sits at slot anchor+1+i; move it to anchor+1+j (j = its depth − 1).
+    longest = max((len(p) for p in paths), default=0)
+    if longest:
+        src = torch.zeros(b, longest, dtype=torch.long)
+        dst = torch.zeros(b, longest, dtype=torch.long)
+        for r, path in enumerate(paths):
+            base = int(cache_lengths[r]) + 1
+            for j in range(longest):  # padding pairs copy a slot onto itself
+                node = path[j] if j < len(path) else j
+                src[r, j], dst[r, j] = base + node, base + j
+                if j >= len(path):
+                    src[r, j] = dst[r, j]
+        target.move_cache(torch.arange(b, device=device)[:, None], src.to(device), dst.to(device))
+    if verify_features is not None:
+        index = torch.zeros(b, 1 + longest, dtype=torch.long)
+        for r, path in enumerate(paths):
+            index[r, 1 : 1 + len(path)] = torch.tensor([i + 1 for i in path], dtype=torch.long)
+        verify_features = verify_features.gather(1, index.to(device)[..., None].expand(-1, -1, verify_features.shape[-1]))
+    depths = depth.max(dim=1).values.tolist()
+    return paths, next_token, verify_features, depths, n_nodes.tolist()
 
 
 def _count_positions(per_position: list[int], n: int) -> None:

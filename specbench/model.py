@@ -216,6 +216,15 @@ class Transformer(nn.Module):
                 layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.max_batch, self.max_seq = max_batch, max_seq
 
+    def move_cache(self, rows: Tensor, src_slots: Tensor, dst_slots: Tensor) -> None:
+        """Copy KV entries of each row from src to dst slots (all layers): commits an accepted tree
+        path, which was verified at scattered slots, to consecutive ones. Needs src >= dst pairwise
+        in increasing order, which a topologically ordered tree guarantees."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            for cache in (attn.k_cache, attn.v_cache):
+                cache[rows, :, dst_slots] = cache[rows, :, src_slots]
+
     def forward(
         self,
         tokens: Tensor,

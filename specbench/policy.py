@@ -19,6 +19,10 @@ class Draft:
     probs: Tensor | None  # [b, K, V] distributions the tokens were drawn from; None = deterministic
     lengths: Tensor  # [b] valid drafts per row
     confidence: Tensor | None = None  # [b, K] optional conditional-acceptance scores (DSpark)
+    # Trees: parents[r, i] is node i's parent node (−1: the anchor), parents listed before children;
+    # `tokens` are then the nodes, `lengths` the nodes per row, and `probs` (if given) the
+    # distribution each node was drawn from i.i.d. among its siblings (None: siblings chosen, e.g. top-k).
+    parents: Tensor | None = None
 
 
 @dataclass
@@ -61,10 +65,11 @@ class Policy:
         return None
 
     def schedule(self, draft: Draft, state: BatchState) -> Tensor:
-        """Per-row verify lengths ℓ_r ≤ draft.lengths. Must not depend on a draft token's own value
+        """Per-row verify lengths ℓ_r ≤ draft.lengths (for trees: nodes, a prefix of the node list). Must not depend on a draft token's own value
         when deciding whether to verify it (lossless scheduling, DSpark App. A)."""
         return draft.lengths
 
     def observe(self, state: BatchState, accepted: Tensor, verify_features: Tensor | None) -> None:
         """After commit. accepted: [b] drafts accepted per row; verify_features: [b, Q, F] target taps
-        at the verified inputs [anchor, x_1, ...] (the first accepted+1 are now committed)."""
+        at [anchor, accepted drafts..., (more)]: the first accepted+1 are now committed. Outputs of
+        the forward may be reused by the next one (CUDA graphs): clone what you keep."""

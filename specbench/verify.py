@@ -63,3 +63,64 @@ def verify_chain(
     residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-30), p_next)
     next_dist = torch.where(rejected[:, None], residual, p_next)
     return accepted, sample(next_dist, generator)
+
+
+def verify_tree(
+    target_probs: Tensor,
+    node_tokens: Tensor,
+    parents: Tensor,
+    node_probs: Tensor | None,
+    n_nodes: Tensor,
+    generator: torch.Generator | None,
+) -> tuple[list[list[int]], Tensor]:
+    """Verify one draft tree per row by recursive rejection sampling, walking down from the root.
+
+    target_probs: [b, 1+N, V]; index 0 is the anchor (root), index i+1 is node i.
+    node_tokens, parents: [b, N]; parents[r, i] is the parent node of node i (−1: the root), with
+        parents before children; siblings are tried in node order.
+    node_probs: None when siblings are *chosen* (e.g. the draft's top-k): each candidate is then a
+        point mass, and after a rejection the target's distribution excludes it and renormalises
+        (sequential sampling: the emitted token is distributed exactly as p). Otherwise [b, N, V]:
+        the distribution each node was drawn from, i.i.d. among siblings (SpecInfer, Miao et al. 2024:
+        accept min(1, p/q), else p ← norm(max(0, p − q))).
+    n_nodes: [b] nodes of row r that are part of the tree (a prefix of the node list).
+    Returns (accepted path per row as node indices, next_token [b]).
+    """
+    b = target_probs.shape[0]
+    next_dists = torch.empty(b, target_probs.shape[-1], dtype=target_probs.dtype, device=target_probs.device)
+    parents_list, tokens_list, limits = parents.tolist(), node_tokens.tolist(), n_nodes.tolist()
+    paths = []
+    for r in range(b):
+        children: dict[int, list[int]] = {}
+        for i in range(limits[r]):
+            children.setdefault(parents_list[r][i], []).append(i)
+        node, path = -1, []
+        p = target_probs[r, 0].clone()
+        while True:
+            chosen = None
+            for child in children.get(node, []):
+                x = tokens_list[r][child]
+                u = float(torch.rand((), generator=generator, device=target_probs.device))
+                if node_probs is None:
+                    mass = float(p.sum())
+                    if u * mass < float(p[x]):
+                        chosen = child
+                        break
+                    p[x] = 0.0
+                else:
+                    q = node_probs[r, child].to(p.dtype)
+                    if u * float(q[x]) < float(p[x]):
+                        chosen = child
+                        break
+                    residual = (p - q).clamp_min(0.0)
+                    if float(residual.sum()) > 1e-12:  # else p == q on the support: keep p
+                        p = residual
+                    p = p / p.sum()
+            if chosen is None:
+                break
+            path.append(chosen)
+            node = chosen
+            p = target_probs[r, chosen + 1].clone()
+        paths.append(path)
+        next_dists[r] = p / p.sum()
+    return paths, sample(next_dists, generator)

@@ -1,0 +1,87 @@
+"""Tree verification in the core: greedy identity and sampled losslessness (χ²), with a broken
+tree verifier as the negative control."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specbench.core as core
+from specbench.core import SamplingConfig, generate, tree_layout
+from specbench.policy import Policy
+from specbench.sampling import sample
+from test_lossless import N_TOKENS, chi_square, exact_joint, sampled_counts
+from tiny import random_prompts, tiny_model
+from tree_policy import TreeDraft
+
+VOCAB = 64
+
+
+def test_tree_layout():
+    parents = torch.tensor([[-1, -1, 0, 1, 2]])
+    depth, anc = tree_layout(parents, torch.tensor([5]))
+    assert depth.tolist() == [[0, 1, 1, 2, 2, 3]]
+    assert anc[0, 5].tolist() == [True, True, False, True, False, True]  # root, node0, node2, node4
+    depth, anc = tree_layout(parents, torch.tensor([2]))  # nodes 2.. are padding: hang off the root
+    assert depth.tolist() == [[0, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_tree_greedy_identity(batch_size):
+    target = tiny_model(vocab=VOCAB, seed=0, scale=4.0)
+    prompts = random_prompts(16, VOCAB, seed=5)
+    config = SamplingConfig(max_new_tokens=24)
+    reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
+    for drafter, name in ((target, "self"), (tiny_model(vocab=VOCAB, seed=2, layers=1, scale=4.0), "random")):
+        policy = TreeDraft(drafter, branching=(2, 2))
+        out = []
+        for i in range(0, 16, batch_size):
+            out += generate(target, policy, prompts[i : i + batch_size], config).requests
+        assert [r.output_ids for r in out] == reference, name
+        if name == "self":  # the target's own top-1 child is always accepted down to depth 2
+            assert all(r.tau > 2.5 for r in out)
+
+
+@pytest.fixture(scope="module")
+def small():
+    from test_lossless import SMALL_VOCAB
+
+    return tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0), tiny_model(vocab=SMALL_VOCAB, seed=11, layers=1, scale=2.0)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["topk-children", "iid-children"])
+def test_tree_sampling_matches_target(small, sampled):
+    target, draft = small
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    counts, result = sampled_counts(target, TreeDraft(draft, branching=(2, 1), sampled=sampled), prompt, 1.0, 1.0)
+    assert sum(r.accepted for r in result.requests) > 0
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue > 1e-3, f"tree output distribution differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+def broken_verify_tree(target_probs, node_tokens, parents, node_probs, n_nodes, generator):
+    """Tries top-k children with probability p(x) each but never removes a rejected child from p."""
+    b = target_probs.shape[0]
+    paths, dists = [], []
+    for r in range(b):
+        node, path, p = -1, [], target_probs[r, 0]
+        while True:
+            kids = [i for i in range(int(n_nodes[r])) if int(parents[r, i]) == node]
+            chosen = next((c for c in kids if float(torch.rand((), generator=generator)) < float(p[node_tokens[r, c]])), None)
+            if chosen is None:
+                break
+            path.append(chosen)
+            node, p = chosen, target_probs[r, chosen + 1]
+        paths.append(path)
+        dists.append(p)
+    return paths, sample(torch.stack(dists), generator)
+
+
+def test_chi_square_rejects_broken_tree_verifier(small, monkeypatch):
+    target, draft = small
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    monkeypatch.setattr(core, "verify_tree", broken_verify_tree)
+    counts, _ = sampled_counts(target, TreeDraft(draft, branching=(2, 1)), prompt, 1.0, 1.0)
+    pvalue, _ = chi_square(exact, counts)
+    assert pvalue < 1e-6, f"the χ² test missed a tree verifier without exclusion (p={pvalue:.2e})"
