@@ -177,7 +177,8 @@ def generate(
             _count_positions(res.accepted_per_position, len(paths[r]))
             res.trace_verify_len.append(nodes_list[r])
         emitted = _commit(state, results, new_tokens, eos, max_new)
-        accepted = torch.tensor([len(p) if active_list[r] else 0 for r, p in enumerate(paths)], device=device)
+        # Rows that just finished observe nothing: their drafter state no longer matters.
+        accepted = torch.tensor([len(p) for p in paths], device=device) * state.active
         for r in range(b):
             if active_list[r]:
                 # Accepted drafts that were actually emitted (EOS or the budget can cut a round short).

@@ -54,6 +54,32 @@ def profile(model: Transformer, batches: list[int], qs: list[int], context: int,
     return {"context": context, "entries": entries}
 
 
+def step_time_model(profile_data: dict):
+    """A function (rows, q) → seconds per target forward, interpolated from the measured grid:
+    piecewise-linear in q within each measured batch size, then in batch size (linear
+    extrapolation past the largest measured point, from the last two)."""
+    grid: dict[int, list[tuple[int, float]]] = {}
+    for e in profile_data["entries"]:
+        grid.setdefault(e["batch"], []).append((e["q"], e["median_ms"] / 1e3))
+    batches = sorted(grid)
+    for b in batches:
+        grid[b].sort()
+
+    def interp(points: list[tuple[float, float]], x: float) -> float:
+        if len(points) == 1:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                break
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # the last segment extrapolates
+
+    def seconds(rows: int, q: int) -> float:
+        per_batch = [(b, interp(grid[b], q)) for b in batches]
+        return max(interp(per_batch, rows), 1e-9)
+
+    return seconds
+
+
 def steps_per_second(profile_data: dict, batch: int) -> dict[int, float]:
     """SPS(B) for a batch of `batch` rows: B = total verify tokens → forwards per second, linearly
     interpolated between measured q values (DSpark Alg. 1 reads this table)."""
@@ -78,3 +104,58 @@ def save(profile_data: dict, path: str | Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(profile_data, indent=1))
     tmp.replace(path)
+
+
+PROFILE_BATCHES = (1, 2, 4, 8, 16)
+PROFILE_QS = (1, 2, 4, 8)
+REPO_PROFILES = Path(__file__).resolve().parent.parent / "results" / "profiles"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" x{torch.get_num_threads()} threads"
+    except OSError:
+        pass
+    import platform
+
+    return (platform.processor() or platform.machine()) + f" x{torch.get_num_threads()} threads"
+
+
+def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROFILE_QS, iters: int = 5) -> dict:
+    """Measure the target's verify-forward cost grid on its device (tqdm progress)."""
+    from tqdm import tqdm
+
+    device = target.model.device
+    with tqdm(total=len(batches) * len(qs), desc=f"profiling {target.name} on {device}", unit="point") as bar:
+        data = profile(target.model, list(batches), list(qs), context, iters=iters, progress=bar)
+    data.update(target=target.name, target_fingerprint=target.fingerprint, device=str(device),
+                device_name=device_name(device), torch=torch.__version__, dtype=str(target.model.lm_head.weight.dtype),
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return data
+
+
+def load_or_measure(target, cache_dir: Path | None = None) -> dict:
+    """This device's cost profile for `target`: a committed one (results/profiles/) or a cached one
+    for the same target fingerprint, device name and dtype, else measured now (tens of seconds
+    on a CPU) and cached."""
+    from specbench.loading import default_cache_dir
+
+    device = target.model.device
+    wanted = (target.fingerprint, device_name(device), str(target.model.lm_head.weight.dtype))
+    cache = (cache_dir or default_cache_dir()) / "profiles"
+    for folder in (REPO_PROFILES, cache):
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if (data.get("target_fingerprint"), data.get("device_name"), data.get("dtype")) == wanted:
+                return data
+    data = measure_profile(target)
+    slug = "".join(c if c.isalnum() else "-" for c in wanted[1].lower())[:60]
+    save(data, cache / f"{target.name}-{slug}.json")
+    return data

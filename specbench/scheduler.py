@@ -55,21 +55,26 @@ def _admission_order(survival: Tensor, max_lengths: Tensor) -> tuple[list[int], 
 
 
 def algorithm1_lengths(
-    confidence: Tensor, max_lengths: Tensor, sps: Callable[[int], float], early_stop: bool = True
+    confidence: Tensor, max_lengths: Tensor, sps: Callable[[int], float], early_stop: bool = True,
+    padded: bool = False,
 ) -> Tensor:
-    """DSpark Algorithm 1 (dspark.md §4.2). B counts every request's anchor; Θ(B) = τ(B)·SPS(B)."""
+    """DSpark Algorithm 1 (dspark.md §4.2). B counts every request's anchor; Θ(B) = τ(B)·SPS(B).
+
+    padded: the engine verifies a right-padded [R, 1 + max ℓ] batch (specbench's core does), so
+    the forward it pays for carries B = R·(1 + max_r ℓ_r) tokens rather than the packed Σ(1 + ℓ_r)."""
     n_rows = confidence.shape[0]
     survival = prefix_survival(confidence.float())
     order_r, order_j, order_a = _admission_order(survival, max_lengths)
     current = [0] * n_rows
     best_lengths = list(current)
-    verify_tokens, expected_tokens = n_rows, float(n_rows)
+    verify_tokens, expected_tokens, longest = n_rows, float(n_rows), 0
     best = expected_tokens * sps(verify_tokens)
     for r, j, a in zip(order_r, order_j, order_a):
         current[r] = j
         verify_tokens += 1
+        longest = max(longest, j)
         expected_tokens += a
-        theta = expected_tokens * sps(verify_tokens)
+        theta = expected_tokens * sps(n_rows * (1 + longest) if padded else verify_tokens)
         if theta > best:
             best, best_lengths = theta, list(current)
         elif early_stop:
@@ -87,10 +92,10 @@ def capacity_lengths(confidence: Tensor, max_lengths: Tensor, capacity: int) -> 
     return torch.tensor(lengths, dtype=torch.long, device=confidence.device)
 
 
-def best_capacity(confidence: Tensor, max_lengths: Tensor, sps: Callable[[int], float]) -> int:
+def best_capacity(confidence: Tensor, max_lengths: Tensor, sps: Callable[[int], float], padded: bool = False) -> int:
     """The production variant's capacity K: the global argmax of Θ over the greedy path (no early
     stop), computed from confidences of an *earlier* step so it cannot depend on current drafts."""
-    lengths = algorithm1_lengths(confidence, max_lengths, sps, early_stop=False)
+    lengths = algorithm1_lengths(confidence, max_lengths, sps, early_stop=False, padded=padded)
     return int(lengths.sum())
 
 

@@ -1,0 +1,468 @@
+"""DSpark and DFlash drafters (reference/dspark.md §2–§3), gpt-fast style.
+
+One class serves both methods. DFlash is DSpark's parallel backbone alone (`markov_rank = 0`, no
+confidence head, §5.3); DSpark adds the sequential Markov head and the confidence head.
+
+Backbone (§2.1):
+  * target features: raw outputs of m target decoder layers ("taps"), concatenated [.., m·d],
+    projected once by `fc` (m·d → d, no bias) and `hidden_norm` (RMSNorm): H_ctx (Eq. 2);
+  * a block of γ slots [anchor, MASK × (γ−1)] at positions anchor_pos + k; every slot predicts
+    (slot k → token anchor_pos + k + 1), so γ inputs give γ drafts;
+  * draft decoder layers as wide as the target (same heads, KV heads, head_dim, MLP, rope): Q from
+    the block only, K/V from [H_ctx ; block hidden] through the *same* k_proj / v_proj (KV
+    injection, Eq. 3), k-norm on both parts, rope at absolute positions, attention bidirectional
+    inside the block and to context positions strictly before the anchor;
+  * final `norm` → h_k, base logits U_k = lm_head(h_k) with the *target's* frozen lm_head.
+
+Sequential stage (§2.2): logits_k = U_k + B_k with the vanilla Markov bias B_k = W1[x_{k−1}]·W2
+(W1 V×r embedding, W2 r×V), tokens sampled left to right from exactly those logits.
+Confidence (§3.1): c_k = σ(w·[h_k ; W1[x_{k−1}]] + b) — it sees the previous token, never x_k.
+
+Mask token: a learned `mask_embedding` vector (d), not a token id. The target's embedding is
+frozen and shared (not stored with the drafter), and SmolLM2's vocabulary has no padded unused
+rows, so a separate trainable vector is the clean equivalent of DeepSpec's `mask_token_id`.
+
+Two entry points compute the same function:
+  * training: `forward_blocks` runs every anchor's block of a (batch of) sequence(s) in one pass
+    with an explicit boolean mask (the offline counterpart of DeepSpec's flex_attention BlockMask);
+  * inference: a per-row context KV cache (`append_context`; context KV persists, block KV is
+    never stored) and `draft_block`, which samples a block left to right.
+
+Use from a policy (rows = the core's BatchState rows; the cache must hold exactly each row's
+committed prefix *before* its anchor, i.e. ctx_len == state.lengths − 1 at every propose):
+    begin:   setup_cache(b, seq_cap); append_context(prompt_features, counts=prompt_lengths)
+    propose: tokens, probs, conf = draft_block(anchors, None, T, top_p, state.generator)
+    observe: append_context(verify_features, counts=(accepted + 1) * active)
+             (the anchor and the accepted drafts are now committed; DSpark §8.1 step 7)
+
+Checkpoint (`specbench.train.dspark` writes it with `common.save_drafter`): drafter.json with
+kind "dspark" / "dflash" and `model_args` = DSparkArgs.to_dict() (the draft layers' ModelArgs
+nested inside), bf16 shards of this module's state_dict (no target tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specbench.errors import UserError
+from specbench.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.sampling import probs_from_logits, sample
+
+KINDS = ("dspark", "dflash")
+KV_BUCKET = 64  # context attention reads the cache up to a multiple of this (shapes repeat across rounds)
+
+
+@dataclass
+class DSparkArgs:
+    """Architecture of a DSpark / DFlash drafter.
+
+    model_args: the draft layers' shapes — the target's ModelArgs with n_layers = draft layers
+        (§2.1: a deep copy of the target config, so widths, heads and rope settings match).
+    block_size: γ, the number of slots and of drafts per block. 7 = the paper's offline setting
+        (Table 1 "block7", decay constant 4 in §5.3 is tuned for it).
+    tap_layers: target layers whose raw outputs feed `fc` (m = len(tap_layers)).
+    markov_rank: r of W1 (V×r) and W2 (r×V); 0 = no sequential head (DFlash).
+    confidence_head / confidence_with_markov: §3.1; the Markov flag needs markov_rank > 0.
+    """
+
+    model_args: ModelArgs
+    tap_layers: list[int]
+    block_size: int = 7
+    markov_rank: int = 64
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.model_args, dict):
+            self.model_args = ModelArgs(**self.model_args)
+        self.tap_layers = [int(t) for t in self.tap_layers]
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if not self.tap_layers:
+            raise ValueError("at least one target tap layer is needed")
+        if self.markov_rank == 0:
+            self.confidence_with_markov = False
+
+    @property
+    def kind(self) -> str:
+        return "dspark" if self.markov_rank > 0 or self.confidence_head else "dflash"
+
+    @classmethod
+    def for_target(cls, target_args: ModelArgs, tap_layers: list[int], variant: str = "dspark", n_layers: int = 2,
+                   block_size: int = 7, markov_rank: int = 64) -> "DSparkArgs":
+        """Defaults sized for a small target (issue 4: fewer layers and a smaller rank than the
+        paper's 5 / 256): 2 draft layers, γ = 7, r = 64. variant "dflash" drops both heads.
+        tap_layers: the training data's (specbench.train.data.default_tap_layers: 1 … L−3)."""
+        if variant not in KINDS:
+            raise ValueError(f"variant must be one of {KINDS}, not {variant!r}")
+        args = ModelArgs(**{**target_args.to_dict(), "n_layers": n_layers})
+        taps = list(tap_layers)
+        dspark = variant == "dspark"
+        return cls(model_args=args, tap_layers=taps, block_size=block_size,
+                   markov_rank=markov_rank if dspark else 0, confidence_head=dspark,
+                   confidence_with_markov=dspark and markov_rank > 0)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["model_args"] = self.model_args.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DSparkArgs":
+        return cls(**d)
+
+
+def gqa_attention(xq: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """xq [b, q, nh, hd], keys/values [b, nkv, kv, hd], mask [b, q, kv] bool → [b, q, nh·hd].
+    Query heads of one KV group are folded into the query axis, as in model.Attention (head h
+    uses KV head h // group, transformers' repeat_kv convention)."""
+    b, q, nh, hd = xq.shape
+    nkv, kv_len = keys.shape[1], keys.shape[2]
+    group = nh // nkv
+    xq = xq.transpose(1, 2).reshape(b, nkv, group * q, hd)
+    folded = mask[:, None, None].expand(b, 1, group, q, kv_len).reshape(b, 1, group * q, kv_len)
+    out = F.scaled_dot_product_attention(xq, keys.to(xq.dtype), values.to(xq.dtype), attn_mask=folded)
+    return out.reshape(b, nh, q, hd).transpose(1, 2).reshape(b, q, nh * hd)
+
+
+class DraftAttention(Attention):
+    """Target-shaped attention (same q/k/v/o projections and q/k norms as model.Attention) with
+    KV injection: keys/values of the projected context are computed by `context_kv` with this
+    layer's own k_proj / v_proj, and concatenated before the block's keys/values (Eq. 3)."""
+
+    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """ctx [b, n, d] (H_ctx, already hidden_norm'ed; DFlash does not re-norm it per layer)
+        → roped, k-normed keys and values [b, nkv, n, hd]."""
+        b, n, _ = ctx.shape
+        k = self.k_proj(ctx).view(b, n, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(ctx).view(b, n, self.n_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k, cos, sin)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor) -> Tensor:
+        """x [b, q, d] block hidden (input-normed); ctx_k/ctx_v [b, nkv, c, hd];
+        mask [b, q, c + q] over [context keys ; block keys]."""
+        b, q, _ = x.shape
+        xq = self.q_proj(x).view(b, q, self.n_heads, self.head_dim)
+        xk = self.k_proj(x).view(b, q, self.n_kv_heads, self.head_dim)
+        xv = self.v_proj(x).view(b, q, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
+        keys = torch.cat([ctx_k.to(xk.dtype), xk.transpose(1, 2)], dim=2)
+        values = torch.cat([ctx_v.to(xv.dtype), xv.transpose(1, 2)], dim=2)
+        return self.o_proj(gqa_attention(xq, keys, values, mask))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm residual decoder layer (Llama/Qwen3 layout) around DraftAttention."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = DraftAttention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDrafter(nn.Module):
+    """The drafter. `embed_weight` / `lm_head_weight` are the target's own frozen tensors: kept as
+    plain references (not parameters or buffers), so they are never trained nor saved."""
+
+    def __init__(self, args: DSparkArgs, embed_weight: Tensor, lm_head_weight: Tensor):
+        super().__init__()
+        self.args = args
+        a = args.model_args
+        d, m, r = a.dim, len(args.tap_layers), args.markov_rank
+        self.fc = nn.Linear(m * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, a.norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        self.layers = nn.ModuleList(DraftLayer(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(d, a.norm_eps)
+        self.markov_w1 = nn.Embedding(a.vocab_size, r) if r > 0 else None
+        self.markov_w2 = nn.Linear(r, a.vocab_size, bias=False) if r > 0 else None
+        conf_in = d + (r if args.confidence_with_markov else 0)
+        self.confidence_head = nn.Linear(conf_in, 1) if args.confidence_head else None
+        self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
+        self.set_frozen(embed_weight, lm_head_weight)
+        # Inference state (setup_cache): per layer context K/V [max_batch, nkv, max_ctx + 1, hd]
+        # (the extra slot is a write-only sink for padding entries), and per-row context lengths.
+        self.k_cache: list[Tensor] = []
+        self.v_cache: list[Tensor] = []
+        self.ctx_len: Tensor | None = None
+        self.max_batch = self.max_ctx = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Set-up
+
+    def set_frozen(self, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        # A tuple hides them from nn.Module registration (state_dict, parameters(), .to()).
+        self._frozen = (embed_weight, lm_head_weight)
+
+    @property
+    def embed_weight(self) -> Tensor:
+        return self._frozen[0]
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self._frozen[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def kind(self) -> str:
+        return self.args.kind
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """HF `post_init` defaults (§2.1): Linear/Embedding ~ N(0, 0.02), biases 0, RMSNorm 1. The
+        initial Markov bias is then ≈ 0, so DSpark starts as DFlash. Drawn from `generator` in a
+        fixed module order, so a seed gives bit-identical weights."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    module.weight.normal_(0.0, 0.02, generator=generator)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+            self.mask_embedding.normal_(0.0, 0.02, generator=generator)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------------------------------
+    # Pieces shared by training and inference
+
+    def project_context(self, features: Tensor) -> Tensor:
+        """Eq. 2: H_ctx = RMSNorm(W_c [H(l1); …; H(lm)]), applied once, shared by every layer."""
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def block_inputs(self, anchors: Tensor) -> Tensor:
+        """anchors [...] → [..., γ, d]: slot 0 the anchor's (target) embedding, then γ−1 mask vectors."""
+        emb = F.embedding(anchors, self.embed_weight).to(self.dtype)
+        masks = self.mask_embedding.expand(*anchors.shape, self.block_size - 1, emb.shape[-1])
+        return torch.cat([emb[..., None, :], masks], dim=-2)
+
+    def markov_bias(self, prev_tokens: Tensor) -> Tensor | None:
+        """B(x_{k−1}, ·) = W1[x_{k−1}] · W2 (Eq. 5): [...] → [..., V], or None for DFlash."""
+        if self.markov_w1 is None:
+            return None
+        return self.markov_w2(self.markov_w1(prev_tokens))
+
+    def base_logits(self, h: Tensor) -> Tensor:
+        """U_k = lm_head(h_k) with the target's frozen head (under autocast F.linear casts it)."""
+        w = self.lm_head_weight
+        if w.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
+            w = w.to(h.dtype)
+        return F.linear(h, w)
+
+    def block_logits(self, h: Tensor, prev_tokens: Tensor) -> Tensor:
+        """Bias-corrected logits U_k + B_k (Eq. 4). h [..., d]; prev_tokens [...] = x_{k−1}."""
+        logits = self.base_logits(h)
+        bias = self.markov_bias(prev_tokens)
+        return logits if bias is None else logits + bias.to(logits.dtype)
+
+    def confidence_logits(self, h: Tensor, prev_tokens: Tensor) -> Tensor | None:
+        """z_k with c_k = σ(z_k) = σ(w·[h_k ; W1[x_{k−1}]] + b) (Eq. 7); None without the head.
+        Depends on x_{k−1} (prev_tokens), never on x_k: required for lossless scheduling (§4.3)."""
+        if self.confidence_head is None:
+            return None
+        if self.args.confidence_with_markov:
+            h = torch.cat([h, self.markov_w1(prev_tokens).to(h.dtype)], dim=-1)
+        return self.confidence_head(h).squeeze(-1)
+
+    def _run_layers(self, x: Tensor, positions: Tensor, ctx: Tensor | None, ctx_positions: Tensor | None,
+                    mask: Tensor, cached: bool) -> Tensor:
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        if not cached:
+            ccos, csin = rope_cos_sin(self.inv_freq, ctx_positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            if cached:
+                kv_len = mask.shape[-1] - x.shape[1]
+                ctx_k = self.k_cache[i][: x.shape[0], :, :kv_len]
+                ctx_v = self.v_cache[i][: x.shape[0], :, :kv_len]
+            else:
+                ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ccos, csin)
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+        return self.norm(x)
+
+    # ------------------------------------------------------------------------------------------
+    # Training-time forward: every anchor's block in one pass (§5.2)
+
+    def forward_blocks(self, features: Tensor, input_ids: Tensor, anchors: Tensor) -> Tensor:
+        """features [B, T, m·d] target taps, input_ids [B, T], anchors [B, N] (positions p with a
+        next token; padding anchors may be 0 — their blocks see no context and are masked out of
+        the loss by the caller). Returns h [B, N, γ, d], the normed hidden of every slot.
+
+        Keys are [context positions 0..T−1 ; N blocks × γ slots]; a query of block n sees context
+        keys at positions < anchors[n] and the γ keys of its own block only (§2.1 visibility)."""
+        B, T, _ = features.shape
+        N, g = anchors.shape[1], self.block_size
+        device = features.device
+        ctx = self.project_context(features)
+        ctx_positions = torch.arange(T, device=device).expand(B, T)
+        x = self.block_inputs(input_ids.gather(1, anchors)).reshape(B, N * g, -1)
+        slot = torch.arange(g, device=device)
+        positions = (anchors[:, :, None] + slot).reshape(B, N * g)
+        ctx_visible = torch.arange(T, device=device)[None, None, :] < anchors[:, :, None]  # [B, N, T]
+        ctx_visible = ctx_visible[:, :, None, :].expand(B, N, g, T).reshape(B, N * g, T)
+        block_id = torch.arange(N, device=device).repeat_interleave(g)
+        own_block = (block_id[:, None] == block_id[None, :]).expand(B, N * g, N * g)
+        mask = torch.cat([ctx_visible, own_block], dim=-1)
+        h = self._run_layers(x, positions, ctx, ctx_positions, mask, cached=False)
+        return h.view(B, N, g, -1)
+
+    # ------------------------------------------------------------------------------------------
+    # Inference: persistent per-row context KV cache + block drafting (§2.1 "draft KV cache")
+
+    def setup_cache(self, max_batch: int, max_ctx: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate (or reuse, when big enough) the context cache; every row starts empty."""
+        dtype = dtype or self.dtype
+        if max_batch > self.max_batch or max_ctx > self.max_ctx:
+            a = self.args.model_args
+            shape = (max_batch, a.n_kv_heads, max_ctx + 1, a.head_dim)
+            with torch.inference_mode(False):  # normal tensors: usable inside and outside inference_mode
+                self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
+                self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
+            self.max_batch, self.max_ctx = max_batch, max_ctx
+        self.reset(max_batch)
+
+    def reset(self, batch: int | None = None) -> None:
+        """Empty every row's context (a new batch of prompts)."""
+        with torch.inference_mode(False):
+            self.ctx_len = torch.zeros(batch or self.max_batch, dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def append_context(self, features: Tensor, counts: Tensor | None = None, positions: Tensor | None = None) -> None:
+        """Commit target features of newly committed tokens to each row's context.
+
+        features [b, n, m·d]: row r's first counts[r] entries are appended (ragged rows are
+        right-padded; counts None = all n). They go to cache slots ctx_len[r] + i; rope positions
+        default to the same (the cache then holds exactly the committed prefix before the
+        anchor, which is what the draft must see: context positions < anchor, §2.1, §8.1 step 7).
+        Context K/V depend only on the features, so they are computed once here, per layer."""
+        b, n, _ = features.shape
+        device = features.device
+        offsets = torch.arange(n, device=device)[None]
+        counts = torch.full((b,), n, device=device, dtype=torch.long) if counts is None else counts.to(device).long()
+        slots = self.ctx_len[:b, None] + offsets
+        if positions is None:
+            positions = slots
+        if int((self.ctx_len[:b] + counts).max()) > self.max_ctx:
+            raise ValueError(f"draft context cache overflow (capacity {self.max_ctx}); call setup_cache with more room")
+        slots = torch.where(offsets < counts[:, None], slots, self.max_ctx)  # padding → the sink slot
+        ctx = self.project_context(features)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        rows = torch.arange(b, device=device)[:, None]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(ctx, cos, sin)  # [b, nkv, n, hd]
+            self.k_cache[i][rows, :, slots] = k.transpose(1, 2).to(self.k_cache[i].dtype)
+            self.v_cache[i][rows, :, slots] = v.transpose(1, 2).to(self.v_cache[i].dtype)
+        self.ctx_len[:b] += counts
+
+    @torch.no_grad()
+    def block_hidden(self, anchor_tokens: Tensor, anchor_positions: Tensor | None = None) -> Tensor:
+        """Backbone pass for one block per row against the cached context → h [b, γ, d]."""
+        b, g = anchor_tokens.shape[0], self.block_size
+        device = anchor_tokens.device
+        ctx_len = self.ctx_len[:b]
+        if anchor_positions is None:
+            anchor_positions = ctx_len
+        kv_len = min(-(-int(ctx_len.max()) // KV_BUCKET) * KV_BUCKET, self.max_ctx)
+        x = self.block_inputs(anchor_tokens)
+        positions = anchor_positions[:, None] + torch.arange(g, device=device)[None]
+        ctx_visible = torch.arange(kv_len, device=device)[None, :] < ctx_len[:, None]  # [b, kv_len]
+        mask = torch.cat([ctx_visible[:, None, :].expand(b, g, kv_len),
+                          torch.ones(b, g, g, dtype=torch.bool, device=device)], dim=-1)
+        return self._run_layers(x, positions, None, None, mask, cached=True)
+
+    @torch.no_grad()
+    def draft_block(self, anchor_tokens: Tensor, anchor_positions: Tensor | None, temperature: float,
+                    top_p: float = 1.0, generator: torch.Generator | None = None, return_logits: bool = False):
+        """Draft γ tokens per row after its anchor (semi-autoregressive, §2.2 / §8.1 step 2).
+
+        anchor_tokens [b]; anchor_positions [b] (None = each row's context length, the normal
+        case). Returns (tokens [b, γ], probs [b, γ, V] float32 — the exact processed distribution
+        each token was drawn from, Markov bias for the realised prefix included —, confidence
+        logits [b, γ] or None for DFlash), plus the bias-corrected logits [b, γ, V] if
+        return_logits. temperature 0 = greedy (one-hot probs)."""
+        h = self.block_hidden(anchor_tokens, anchor_positions)  # [b, γ, d]
+        base = self.base_logits(h)  # U_k, all slots in parallel
+        prev = anchor_tokens
+        tokens, probs, logits_out, prevs = [], [], [], []
+        for k in range(self.block_size):  # the sequential part: only a bias per step
+            bias = self.markov_bias(prev)
+            logits = base[:, k] if bias is None else base[:, k] + bias.to(base.dtype)
+            p = probs_from_logits(logits, temperature, top_p)
+            x = sample(p, generator)
+            prevs.append(prev)
+            tokens.append(x)
+            probs.append(p)
+            logits_out.append(logits)
+            prev = x
+        prev_tokens = torch.stack(prevs, dim=1)  # [anchor, x_1..x_{γ−1}]
+        out = (torch.stack(tokens, dim=1), torch.stack(probs, dim=1), self.confidence_logits(h, prev_tokens))
+        return out + (torch.stack(logits_out, dim=1),) if return_logits else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def build_drafter(args: DSparkArgs, target_model, dtype: torch.dtype | None = None) -> DSparkDrafter:
+    """A fresh drafter sharing `target_model`'s (a specbench Transformer) embedding and lm_head."""
+    drafter = DSparkDrafter(args, target_model.model.embed_tokens.weight, target_model.lm_head.weight)
+    return drafter.to(device=target_model.device, dtype=dtype or target_model.lm_head.weight.dtype)
+
+
+def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDrafter:
+    """Load a "dspark" or "dflash" checkpoint for `target` (a loading.LoadedModel), on the
+    target's device and dtype, sharing its frozen embedding / lm_head. A drafter trained for
+    another target, of another kind, or with corrupt files is refused with a UserError."""
+    import json
+
+    from specbench.drafters import CONFIG_NAME, read_checkpoint, resolve_checkpoint
+
+    if kind is None:
+        path = resolve_checkpoint(spec)
+        try:
+            kind = json.loads((path / CONFIG_NAME).read_text()).get("kind")
+        except json.JSONDecodeError as e:
+            raise UserError(f"drafter {path}: corrupt {CONFIG_NAME}: {e}") from None
+        if kind not in KINDS:
+            raise UserError(f"drafter {path} is a {kind!r} drafter, not one of {KINDS}")
+    config, state = read_checkpoint(spec, target, kind=kind)
+    try:
+        args = DSparkArgs.from_dict(config["model_args"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"drafter {spec}: bad architecture in its config: {e}") from None
+    base = target.model
+    dtype = base.lm_head.weight.dtype
+    with torch.device("meta"):
+        drafter = DSparkDrafter(args, base.model.embed_tokens.weight, base.lm_head.weight)
+    try:
+        drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
+    except RuntimeError as e:
+        raise UserError(f"drafter {spec}: weights do not match its config: {str(e).splitlines()[0]}") from None
+    drafter.inv_freq = rope_inv_freq(args.model_args).to(base.device)  # meta-initialised buffer
+    drafter = drafter.to(base.device)
+    return drafter.eval().requires_grad_(False)

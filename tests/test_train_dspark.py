@@ -1,0 +1,226 @@
+"""specbench.train.dspark: DSpark / DFlash training on tiny synthetic data (a tiny random target
+answering its own prompts, features cached by specbench.train.data)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from specbench.dspark_model import DSparkArgs, build_drafter, load_dspark_drafter
+from specbench.errors import UserError
+from specbench.train.common import get_budget
+from specbench.train.data import TrainingData, build_training_data
+from specbench.train.dspark import LOSS_WEIGHTS, _batch, block_loss, evaluate, make_blocks, sample_anchors, train
+from test_train_data import tiny_target
+
+TAPS = [0, 1, 2]
+
+
+def budget(**kw):
+    return get_budget("tiny", **{"anchors": 8, "block_size": 4, "markov_rank": 8, **kw})
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    torch.set_num_threads(1)
+    path = build_training_data(target, tmp_path_factory.mktemp("data") / "d", n_prompts=24, max_new_tokens=32,
+                               seed=0, tap_layers=TAPS, batch_size=8, shard_size=12, eval_texts=[], progress=False)
+    return TrainingData(path, target)
+
+
+@pytest.fixture(scope="module")
+def trained(target, data, tmp_path_factory):
+    """One dspark and one dflash drafter at the tiny budget (60 steps)."""
+    out = {}
+    for variant in ("dspark", "dflash"):
+        d = tmp_path_factory.mktemp(variant)
+        out[variant] = (d, train(target, data, d, budget=budget(steps=60), seed=0, policy=variant, progress=False))
+    return out
+
+
+def _weights(path):
+    return load_file(next(path.glob("*.safetensors")))
+
+
+def test_anchor_sampling_and_supervision_mask(data):
+    g = torch.Generator().manual_seed(0)
+    batch = data.batch(list(range(6)), ("input_ids", "loss_mask"))
+    anchors, sup = make_blocks(batch, 8, 4, g)
+    for b in range(6):
+        length, mask = int(batch["lengths"][b]), batch["loss_mask"][b]
+        a = anchors[b][sup[b, :, 0]]
+        assert 0 < len(a) <= 8 and torch.equal(a, a.unique())  # sorted, no repeats
+        assert bool(mask[a].all() and mask[a + 1].all())  # anchor and its next token are response tokens
+        valid = int((mask[: length - 1] & mask[1:length]).sum())
+        assert len(a) == min(8, valid)
+        assert not sup[b, len(a):].any()  # padding blocks are never supervised
+        for n, p in enumerate(a.tolist()):
+            k = int(sup[b, n].sum())
+            assert sup[b, n, :k].all()  # a contiguous prefix ...
+            expect = 0
+            while expect < 4 and p + expect + 1 < length and mask[p + expect + 1]:
+                expect += 1
+            assert k == expect  # ... of the slots whose label is a response token
+    # Multi-turn style mask with a gap: supervision stops at the first non-response label.
+    gapped = {"lengths": torch.tensor([10]), "loss_mask": torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 0]]).bool()}
+    anchors, sup = make_blocks(gapped, 10, 4, g)
+    assert anchors[0].tolist() == [1, 2, 5, 6, 7]
+    assert sup[0].sum(-1).tolist() == [2, 1, 3, 2, 1]
+    # Uniform without replacement: every valid anchor is drawn sometimes.
+    m = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    seen = torch.zeros(8)
+    for _ in range(200):
+        a = sample_anchors(m, 8, 2, g)
+        assert len(a) == 2 and set(a.tolist()) <= {2, 3, 4, 5}
+        seen[a] += 1
+    assert (seen[2:6] > 60).all()
+
+
+def _reference_loss(drafter, data, idx, anchors, sup, variant):
+    """The §5.3 loss computed block by block through the inference path (context cache)."""
+    w_all = torch.exp(-torch.arange(drafter.block_size) / 4.0)
+    wts = LOSS_WEIGHTS[variant]
+    num = {"ce": 0.0, "l1": 0.0, "conf": 0.0}
+    den = 0.0
+    for b, i in enumerate(idx):
+        s = data[i]
+        ids, taps, last = s["input_ids"], s["taps"], s["last_hidden"]
+        for n, p in enumerate(anchors[b].tolist()):
+            kmax = int(sup[b, n].sum())
+            if kmax == 0:
+                continue
+            drafter.setup_cache(1, 64)
+            drafter.append_context(taps[None, :p])
+            h = drafter.block_hidden(ids[p: p + 1])[0]
+            for k in range(kmax):
+                prev = ids[p + k]
+                logits = drafter.block_logits(h[k], prev)
+                logp = F.log_softmax(logits.float(), -1)
+                p_t = torch.softmax(F.linear(last[p + k].float(), drafter.lm_head_weight), -1)
+                l1 = (logp.exp() - p_t).abs().sum()
+                w = float(w_all[k])
+                num["ce"] += w * float(-logp[ids[p + k + 1]])
+                num["l1"] += w * float(l1)
+                if drafter.confidence_head is not None:
+                    z = drafter.confidence_logits(h[k], prev)
+                    c = float((1 - 0.5 * l1).clamp(0, 1))
+                    num["conf"] += w * float(F.binary_cross_entropy_with_logits(z, torch.tensor(c)))
+                den += w
+    return sum(wts[k] * num[k] / den for k in num)
+
+
+@pytest.mark.parametrize("variant", ["dspark", "dflash"])
+def test_loss_matches_blockwise_reference(target, data, variant):
+    args = DSparkArgs.for_target(target.model.args, tap_layers=TAPS, variant=variant, n_layers=1, block_size=4,
+                                 markov_rank=8)
+    drafter = build_drafter(args, target.model)
+    drafter.init_weights(torch.Generator().manual_seed(0))
+    with torch.no_grad():  # make the Markov bias and confidence non-trivial
+        for p in drafter.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    idx = [0, 3, 5]
+    batch = _batch(data, idx, "cpu")
+    anchors, sup = make_blocks(batch, 5, 4, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        loss, metrics = block_loss(drafter, batch, anchors, sup, variant)
+        ref = _reference_loss(drafter, data, idx, anchors, sup, variant)
+    assert math.isclose(float(loss), ref, rel_tol=1e-4)
+    assert set(metrics) >= ({"ce", "l1", "conf"} if variant == "dspark" else {"ce"})
+
+
+def test_training_lowers_loss(target, data, trained):
+    _, val = data.split(budget()["val_fraction"], 0)
+    for variant, (path, result) in trained.items():
+        args = DSparkArgs.for_target(target.model.args, tap_layers=TAPS, variant=variant, n_layers=1,
+                                     block_size=4, markov_rank=8)
+        untrained = build_drafter(args, target.model, dtype=torch.float32)
+        untrained.init_weights(torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            before = evaluate(untrained, data, val, 4, 8, variant, 0)
+            after = evaluate(load_dspark_drafter(str(path), target), data, val, 4, 8, variant, 0)
+        assert after["loss"] < 0.8 * before["loss"], (variant, before["loss"], after["loss"])
+        assert after["tau_est_t1"] > before["tau_est_t1"]
+        losses = [h["loss"] for h in result.history]
+        assert sum(losses[-10:]) < 0.9 * sum(losses[:10])
+        assert result.final["val_loss"] == pytest.approx(after["loss"], rel=0.05)  # bf16 storage only
+        assert result.kind == variant and result.steps == 60
+
+
+def test_checkpoint_contents_and_loading(target, trained):
+    path, result = trained["dspark"]
+    cfg = json.loads((path / "drafter.json").read_text())
+    assert cfg["kind"] == "dspark" and cfg["target_fingerprint"] == target.fingerprint
+    assert DSparkArgs.from_dict(cfg["model_args"]).markov_rank == 8
+    weights = _weights(path)
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    assert not any("embed" in k and "mask" not in k or "lm_head" in k for k in weights)
+    assert {"markov_w1.weight", "markov_w2.weight", "confidence_head.weight", "mask_embedding"} <= set(weights)
+    drafter = load_dspark_drafter(str(path), target)
+    assert drafter.kind == "dspark" and drafter.lm_head_weight is target.model.lm_head.weight
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(v, weights[k].float())
+    dflash_path, _ = trained["dflash"]
+    dflash = load_dspark_drafter(str(dflash_path), target)
+    assert dflash.kind == "dflash" and dflash.markov_w1 is None and dflash.confidence_head is None
+    assert not any("markov" in k or "confidence" in k for k in _weights(dflash_path))
+    assert (path / "loss_curve.png").is_file()
+
+
+def test_refuses_other_target_wrong_kind_and_corrupt_files(target, trained, tmp_path):
+    path, _ = trained["dspark"]
+    other = tiny_target(fingerprint="another-target")
+    with pytest.raises(UserError, match="trained for target"):
+        load_dspark_drafter(str(path), other)
+    with pytest.raises(UserError, match="not 'dflash'"):
+        load_dspark_drafter(str(path), target, kind="dflash")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "drafter.json").write_text((path / "drafter.json").read_text())
+    shard = next(path.glob("*.safetensors"))
+    (bad / shard.name).write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(UserError, match="corrupt"):
+        load_dspark_drafter(str(bad), target)
+    (bad / "drafter.json").write_text("{not json")
+    with pytest.raises(UserError, match="corrupt"):
+        load_dspark_drafter(str(bad), target)
+    cfg = json.loads((path / "drafter.json").read_text())
+    cfg["kind"] = "draft-lm"
+    (bad / "drafter.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="draft-lm"):
+        load_dspark_drafter(str(bad), target)
+
+
+def test_same_seed_bit_identical_and_resume(target, data, tmp_path):
+    b = budget(steps=12, ckpt_every=4)
+    a = train(target, data, tmp_path / "a", budget=b, seed=3, policy="dspark", progress=False)
+    again = train(target, data, tmp_path / "b", budget=b, seed=3, policy="dspark", progress=False)
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [h["loss"] for h in a.history] == [h["loss"] for h in again.history]
+    other = train(target, data, tmp_path / "c", budget=b, seed=4, policy="dspark", progress=False)
+    assert not torch.equal(_weights(tmp_path / "c")["fc.weight"], wa["fc.weight"])
+    assert other.steps == 12
+
+    # Interrupted after 5 steps, then resumed: ends exactly where the uninterrupted run ends.
+    part = train(target, data, tmp_path / "r", budget=b, seed=3, policy="dspark", progress=False, stop_after=5)
+    assert part.steps == 5 and not (tmp_path / "r" / "drafter.json").exists()
+    with pytest.raises(UserError, match="resume"):
+        train(target, data, tmp_path / "r", budget=b, seed=3, policy="dspark", progress=False)
+    done = train(target, data, tmp_path / "r", budget=b, seed=3, policy="dspark", progress=False, resume=True)
+    wr = _weights(tmp_path / "r")
+    assert done.steps == 12 and all(torch.equal(wa[k], wr[k]) for k in wa)
+    assert [h["loss"] for h in done.history] == [h["loss"] for h in a.history]
