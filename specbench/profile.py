@@ -138,7 +138,68 @@ def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROF
     return data
 
 
-def load_or_measure(target, cache_dir: Path | None = None) -> dict:
+@torch.inference_mode()
+def measure_drafter(draft_model, taps_dim: int, batches, context: int = 256, iters: int = 5) -> list[dict]:
+    """Seconds per drafting round of a block drafter (DSpark/DFlash: backbone, Markov loop,
+    confidence) at each batch size, with `context` committed tokens per row."""
+    device = draft_model.device
+    out = []
+    for b in batches:
+        draft_model.setup_cache(b, round_up(context + 64, KV_BUCKET))
+        features = torch.randn(b, context, taps_dim, device=device, dtype=draft_model.dtype)
+        draft_model.append_context(features)
+        anchors = torch.randint(0, draft_model.args.model_args.vocab_size, (b,), device=device)
+        times = []
+        for i in range(iters + 1):
+            synchronize(device)
+            start = time.perf_counter()
+            draft_model.draft_block(anchors, None, 1.0)
+            synchronize(device)
+            if i:
+                times.append(time.perf_counter() - start)
+        out.append({"batch": b, "median_ms": 1e3 * statistics.median(times), "n": len(times)})
+    return out
+
+
+def draft_time_model(entries: list[dict]):
+    """batch → seconds per drafting round, piecewise linear in the batch size."""
+    points = sorted((e["batch"], e["median_ms"] / 1e3) for e in entries)
+
+    def seconds(rows: int) -> float:
+        if len(points) == 1:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if rows <= x1:
+                break
+        return max(y0 + (y1 - y0) * (rows - x0) / (x1 - x0), 0.0)
+
+    return seconds
+
+
+def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter_name: str | None = None) -> dict:
+    """Like `load_or_measure_target`, plus the cost of one drafting round of `drafter` per batch size
+    (cached under the drafter's name): the scheduler's step time is draft + verify."""
+    data = load_or_measure_target(target, cache_dir)
+    if drafter is None:
+        return data
+    from specbench.loading import default_cache_dir
+
+    key = f"{drafter_name}|{device_name(target.model.device)}"
+    cache = (cache_dir or default_cache_dir()) / "profiles" / "drafters.json"
+    known = {}
+    for path in (REPO_PROFILES / "drafters.json", cache):
+        try:
+            known = {**json.loads(path.read_text()), **known}
+        except (OSError, json.JSONDecodeError):
+            pass
+    if key not in known:
+        taps_dim = len(drafter.args.tap_layers) * target.model.args.dim
+        known[key] = measure_drafter(drafter, taps_dim, PROFILE_BATCHES, context=data["context"])
+        save({**(json.loads(cache.read_text()) if cache.is_file() else {}), key: known[key]}, cache)
+    return {**data, "draft": known[key]}
+
+
+def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
     """This device's cost profile for `target`: a committed one (results/profiles/) or a cached one
     for the same target fingerprint, device name and dtype, else measured now (tens of seconds
     on a CPU) and cached."""

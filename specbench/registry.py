@@ -108,3 +108,35 @@ def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
     from specbench.policies.fixed_k import FixedK
 
     return FixedK(load_draft_lm(drafter, target), k=k, drafter=drafter)
+
+
+def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
+                 threshold: float = 0.5, gamma: int | None = None, profile: str = "auto", calibrated: bool = True) -> Policy:
+    """DSpark / DFlash over a trained drafter; `profile` is "auto" (this device's cost profile,
+    measured once and cached) or a path to a profile json from `specbench profile`."""
+    import json
+
+    from specbench import profile as profiles
+    from specbench.drafters import resolve_checkpoint
+    from specbench.dspark_model import load_dspark_drafter
+    from specbench.policies.dspark import DSpark
+
+    model = load_dspark_drafter(drafter, target)
+    temperatures = None
+    calibration = resolve_checkpoint(drafter) / "calibration.json"
+    if calibrated and calibration.is_file():
+        temperatures = json.loads(calibration.read_text())["temperatures"]
+    step_seconds = draft_seconds = None
+    if scheduler in ("algorithm1", "capacity"):
+        if profile == "auto":
+            data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter)
+        else:
+            try:
+                data = json.loads(Path(profile).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise UserError(f"cannot read cost profile {profile}: {e}") from None
+        step_seconds = profiles.step_time_model(data)
+        if "draft" in data:
+            draft_seconds = profiles.draft_time_model(data["draft"])
+    return DSpark(model, scheduler=scheduler, threshold=threshold, sts_temperatures=temperatures,
+                  step_seconds=step_seconds, draft_seconds=draft_seconds, max_length=gamma, drafter_name=drafter)

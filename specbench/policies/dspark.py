@@ -1,0 +1,136 @@
+"""DSpark (Cheng et al., DeepSeek 2026): semi-autoregressive drafting + confidence-scheduled,
+load-aware verification. Also DFlash (its parallel backbone alone) as the same policy class
+without a confidence head.
+
+Per round (reference/dspark.md §4.5, §8):
+  propose   the drafter's parallel backbone drafts a γ-block per row from the target features of
+            the committed prefix (persistent draft context cache), the Markov head samples it left
+            to right from the exact bias-corrected distributions; the confidence head scores each
+            position (conditional acceptance, computed from x_{<k} only), calibrated by the STS
+            temperatures stored with the drafter;
+  schedule  per-row verify lengths ℓ_r from a scheduler (specbench/scheduler.py): fixed ℓ = γ,
+            the repo's static threshold, Algorithm 1 (global greedy by prefix survival maximising
+            E[tokens]·SPS(B) on this device's measured cost profile, with the early stop that keeps
+            it lossless), or the production capacity variant (K from confidences two rounds old);
+  observe   the target features of [anchor, accepted drafts] join the draft context.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from specbench.core import KV_BUCKET, round_up
+from specbench.policy import BatchState, Draft, Policy
+from specbench.scheduler import (algorithm1_lengths, best_capacity, capacity_lengths, fixed_lengths,
+                                 threshold_lengths)
+
+SCHEDULERS = ("fixed", "threshold", "algorithm1", "capacity")
+
+
+class DSpark(Policy):
+    name = "dspark"
+
+    def __init__(self, draft_model, scheduler: str = "algorithm1", threshold: float = 0.5,
+                 sts_temperatures: list[float] | None = None, step_seconds=None, draft_seconds=None,
+                 max_length: int | None = None,
+                 drafter_name: str | None = None, group_size: int | None = None):
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r} (valid: {', '.join(SCHEDULERS)})")
+        if scheduler != "fixed" and draft_model.args.confidence_head is False:
+            raise ValueError(f"scheduler {scheduler!r} needs a confidence head; this drafter ({draft_model.kind}) has none")
+        if scheduler in ("algorithm1", "capacity") and step_seconds is None:
+            raise ValueError(f"scheduler {scheduler!r} needs a cost profile")
+        self.draft_model = draft_model
+        self.drafter = drafter_name  # the checkpoint, recorded with every result
+        self.scheduler = scheduler
+        self.threshold = threshold
+        self.gamma = draft_model.block_size if max_length is None else min(max_length, draft_model.block_size)
+        self.max_draft = self.gamma
+        self.target_taps = tuple(draft_model.args.tap_layers)
+        temps = torch.ones(draft_model.block_size) if sts_temperatures is None else torch.tensor(sts_temperatures, dtype=torch.float32)
+        self.sts_temperatures = temps[: draft_model.block_size]
+        self.step_seconds = step_seconds  # (rows, q) → seconds of one verify forward on this device
+        # rows → seconds of one drafting round (paid whatever ℓ is), from the same stored profile so
+        # that decisions are a deterministic function of the drafts and the profile.
+        self.draft_seconds = draft_seconds or (lambda rows: 0.0)
+        self.stale_confidence: deque = deque(maxlen=3)  # this round's and the two before
+        if group_size and scheduler == "capacity":
+            raise ValueError("group_size is not supported with the capacity scheduler")
+        self.group_size = group_size  # tests / simulation: independent scheduling groups within a batch
+
+    def params(self) -> dict:
+        return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
+                "sts": [round(float(t), 3) for t in self.sts_temperatures]}
+
+    def begin(self, state: BatchState, prompt_features: Tensor | None) -> None:
+        b, cap = state.tokens.shape
+        self.draft_model.setup_cache(b, round_up(cap + 1, KV_BUCKET))
+        # The draft context holds each row's committed prefix before its anchor: the prompt.
+        self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
+        self.stale_confidence.clear()
+
+    @torch.inference_mode()
+    def propose(self, state: BatchState) -> Draft:
+        anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
+        tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p, state.generator)
+        tokens, probs = tokens[:, : self.gamma], probs[:, : self.gamma]
+        confidence = None
+        if conf_logits is not None:
+            temps = self.sts_temperatures[: self.gamma].to(conf_logits.device)
+            confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / temps)
+        lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
+        # At temperature 0 both sides are one-hot: the tokens alone decide.
+        return Draft(tokens=tokens, probs=probs if state.temperature > 0 else None, lengths=lengths,
+                     confidence=confidence)
+
+    def schedule(self, draft: Draft, state: BatchState) -> Tensor:
+        if self.group_size:  # schedule consecutive groups of rows as if each were its own batch
+            parts = []
+            for start in range(0, state.batch_size, self.group_size):
+                rows = slice(start, start + self.group_size)
+                sub = Draft(tokens=draft.tokens[rows], probs=None, lengths=draft.lengths[rows],
+                            confidence=draft.confidence[rows] if draft.confidence is not None else None)
+                parts.append(self._schedule(sub, state.active[rows]))
+            return torch.cat(parts)
+        return self._schedule(draft, state.active)
+
+    def _schedule(self, draft: Draft, active_mask: Tensor) -> Tensor:
+        lengths = draft.lengths * active_mask
+        if self.scheduler == "fixed":
+            return fixed_lengths(lengths)
+        conf = draft.confidence
+        if self.scheduler == "threshold":
+            return threshold_lengths(conf, lengths, self.threshold)
+        active = active_mask.nonzero().flatten()
+        rows = len(active)
+        out = torch.zeros_like(lengths)
+        if rows == 0:
+            return out
+        # The engine verifies a right-padded [b, 1 + max ℓ] batch over all b rows of the batch;
+        # Algorithm 1 (padded=True) hands over B = n·(1 + max ℓ) for the n requests it schedules.
+        b = len(active_mask)
+        draft_cost = self.draft_seconds(b)
+
+        def sps_for(n: int):
+            return lambda total: 1.0 / (draft_cost + self.step_seconds(b, max(total // n, 1)))
+
+        if self.scheduler == "algorithm1":
+            out[active] = algorithm1_lengths(conf[active], lengths[active], sps_for(rows), early_stop=True, padded=True)
+            return out
+        # Production variant (§4.4): capacity from confidences two rounds old (a causal barrier, so
+        # no early stop is needed), then a top-K over the current cumulative confidences.
+        self.stale_confidence.append((conf[active].clone(), lengths[active].clone()))
+        stale_conf, stale_len = self.stale_confidence[0]
+        capacity = (best_capacity(stale_conf, stale_len, sps_for(len(stale_conf)), padded=True)
+                    if len(self.stale_confidence) == 3 else 0)
+        out[active] = capacity_lengths(conf[active], lengths[active], capacity)
+        return out
+
+    def observe(self, state: BatchState, accepted: Tensor, verify_features: Tensor | None) -> None:
+        # The anchor and the accepted drafts are now committed: their target features join the context.
+        counts = (accepted + 1) * state.active
+        width = int(counts.max()) if len(counts) else 0
+        if width:
+            self.draft_model.append_context(verify_features[:, :width].to(self.draft_model.dtype), counts=counts)
