@@ -59,6 +59,8 @@ class DSpark(Policy):
         if group_size and scheduler == "capacity":
             raise ValueError("group_size is not supported with the capacity scheduler")
         self.group_size = group_size  # tests / simulation: independent scheduling groups within a batch
+        # Raw confidence logits per row per round (before STS), for calibration and traces.
+        self.confidence_log: list[list[list[float]]] = []
 
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
@@ -70,6 +72,7 @@ class DSpark(Policy):
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
+        self.confidence_log = [[] for _ in range(b)]
 
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft:
@@ -78,6 +81,9 @@ class DSpark(Policy):
         tokens, probs = tokens[:, : self.gamma], probs[:, : self.gamma]
         confidence = None
         if conf_logits is not None:
+            raw = conf_logits[:, : self.gamma].float().tolist()
+            for r in state.active.nonzero().flatten().tolist():
+                self.confidence_log[r].append(raw[r])
             temps = self.sts_temperatures[: self.gamma].to(conf_logits.device)
             confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / temps)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
