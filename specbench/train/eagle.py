@@ -1,0 +1,247 @@
+"""Training the EAGLE-3-style head (anchors.md §2.3; dspark.md §5.4's Eagle3 baseline) on a
+target's cached features (specbench.train.data).
+
+Per optimiser step: `batch_size` sequences (shared deterministic order, `common.batch_indices`).
+Training-time test: the head is unrolled `ttt_steps` steps on its own outputs
+(`EagleHead.forward_ttt`): step i at index t sees the target's taps up to t and its own i earlier
+outputs at t, and predicts x_{t+2+i}. Loss (EAGLE-3 `traineagle3`, DeepSpec's Eagle3 config):
+
+    L = Σ_i 0.8^i · mean_{t supervised at step i} CE(p_target(· | x_{≤t+1+i}), p_head)
+
+soft-label cross-entropy against the target's distribution p_target = softmax(lm_head(
+last_hidden[t+1+i])) (recomputed from the cached final hidden state, only at supervised slots).
+Slot (i, t) is supervised iff its label position t+2+i lies inside the sequence and is a response
+token (loss mask). Optionally only `positions` query indices per sequence are unrolled (sampled
+uniformly without replacement among supervised step-0 slots, sorted); step 0 always runs over the
+whole sequence, since its keys are every later query's context. 0 = every index (EAGLE-3).
+
+Optimisation: `common.run_training` — AdamW (wd 0), 4 % warmup + cosine, clip 1.0, fp32 master
+weights (bf16 autocast on CUDA), checkpoints and resume. The target's embedding and lm_head are
+used frozen and never saved. Output: an "eagle" checkpoint (`save_drafter`), read by
+`load_eagle_head(path, target)`.
+
+The checkpoint also records the response tokens' frequency ranking (`vocab_rank`), from which
+the policy's optional reduced draft vocabulary (`draft_vocab`) is taken.
+
+Budget keys read here (defaults per budget in EAGLE_DEFAULTS, looked up by the budget's
+`n_prompts`; fall back to "small"): ttt_steps, positions, val_fraction, plus the loop's keys.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specbench.eagle_model import KIND, EagleArgs, EagleHead, build_head, load_eagle_head
+from specbench.train.common import (BUDGETS, CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
+                                    save_drafter)
+
+__all__ = ["train", "load_eagle_head", "ttt_loss", "evaluate", "options", "vocab_rank"]
+
+STEP_DECAY = 0.8  # weight of TTT step i: 0.8^i
+EAGLE_DEFAULTS = {
+    "tiny": {"ttt_steps": 3, "positions": 0, "val_fraction": 0.125},
+    "small": {"ttt_steps": 5, "positions": 48, "val_fraction": 0.05},
+    "full": {"ttt_steps": 7, "positions": 0, "val_fraction": 0.03},
+}
+FIELDS = ("input_ids", "loss_mask", "taps", "last_hidden")
+
+
+def options(budget: dict) -> dict:
+    """This trainer's options: the budget's own keys win, else the defaults of the named budget
+    whose n_prompts the budget has (the CLI passes `get_budget(name)`), else "small"'s."""
+    name = next((n for n, b in BUDGETS.items() if b["n_prompts"] == budget.get("n_prompts")), "small")
+    return {k: budget.get(k, v) for k, v in EAGLE_DEFAULTS[name].items()}
+
+
+def step_weights(steps: int) -> list[float]:
+    return [STEP_DECAY ** i for i in range(steps)]
+
+
+def supervision(batch: dict[str, Tensor], steps: int) -> Tensor:
+    """[B, T, steps] bool: slot (t, i) is supervised iff label position t+2+i < length and is a
+    response token."""
+    lengths, loss_mask = batch["lengths"], batch["loss_mask"].bool()
+    B, T = loss_mask.shape
+    device = loss_mask.device
+    label = torch.arange(T, device=device)[:, None] + 2 + torch.arange(steps, device=device)[None]  # [T, S]
+    inside = label[None] < lengths.to(device)[:, None, None]
+    ok = loss_mask.gather(1, label.clamp(max=T - 1).reshape(1, -1).expand(B, -1)).view(B, T, steps)
+    return inside & ok
+
+
+def sample_positions(sup0: Tensor, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """(query indices [B, N], keep [B, N]): up to n supervised step-0 indices per sequence
+    (uniform without replacement, sorted); shortfalls are index 0 with keep False."""
+    B = sup0.shape[0]
+    picks = []
+    for b in range(B):
+        valid = sup0[b].nonzero().flatten().cpu()
+        if len(valid) > n:
+            valid = valid[torch.randperm(len(valid), generator=generator)[:n]].sort().values
+        picks.append(valid)
+    N = max(1, max(len(p) for p in picks))
+    index = torch.zeros(B, N, dtype=torch.long)
+    keep = torch.zeros(B, N, dtype=torch.bool)
+    for b, p in enumerate(picks):
+        index[b, : len(p)] = p
+        keep[b, : len(p)] = True
+    return index.to(sup0.device), keep.to(sup0.device)
+
+
+def ttt_loss(head: EagleHead, batch: dict[str, Tensor], steps: int, positions: int = 0,
+             generator: torch.Generator | None = None, with_stats: bool = False) -> tuple[Tensor, dict]:
+    """The weighted TTT loss of one batch (tensors on the head's device). Metrics: per-step CE,
+    and the teacher-free acceptance estimates per step (α_i at T = 1: 1 − TV(p_head, p_target);
+    greedy: argmax agreement) — step i's are conditional on the head's own earlier steps, as at
+    inference along a chain."""
+    device = head.device
+    ids, taps, last = batch["input_ids"], batch["taps"], batch["last_hidden"]
+    B, T = ids.shape
+    sup = supervision(batch, steps)  # [B, T, S]
+    if positions and positions > 0:
+        q_index, keep = sample_positions(sup[..., 0], positions, generator or torch.Generator())
+        sup = sup.gather(1, q_index[..., None].expand(-1, -1, steps)) & keep[..., None]
+    else:
+        q_index = None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    with autocast:
+        outs = head.forward_ttt(taps, ids, steps, q_index)
+    index = torch.arange(T, device=device).expand(B, T) if q_index is None else q_index
+    d = last.shape[-1]
+    loss = torch.zeros((), device=device)
+    metrics: dict = {}
+    weights = step_weights(steps)
+    for i, h in enumerate(outs):
+        s = sup[..., i]
+        if not bool(s.any()):
+            continue
+        target_pos = (index + 1 + i).clamp(max=T - 1)[s]  # the target's hidden predicting x_{t+2+i}
+        rows = torch.arange(B, device=device)[:, None].expand_as(index)[s]
+        with autocast:
+            logits = head.logits(h[s])
+            with torch.no_grad():
+                w = head.lm_head_weight
+                t_logits = F.linear(last[rows, target_pos].to(w.dtype), w)
+        logq = F.log_softmax(logits.float(), dim=-1)
+        p_t = torch.softmax(t_logits.float(), dim=-1)
+        ce = -(p_t * logq).sum(-1).mean()
+        loss = loss + weights[i] * ce
+        metrics[f"ce{i}"] = ce.detach()
+        if with_stats or i == 0:
+            with torch.no_grad():
+                metrics[f"acc{i}_t1"] = (1 - 0.5 * (logq.exp() - p_t).abs().sum(-1)).clamp(0, 1).mean()
+                metrics[f"acc{i}_t0"] = (logq.argmax(-1) == p_t.argmax(-1)).float().mean()
+                metrics[f"_n{i}"] = float(s.sum())
+    return loss, metrics
+
+
+def vocab_rank(data, indices, vocab_size: int) -> Tensor:
+    """Token ids by frequency among the response tokens of `indices` (most frequent first, ties by
+    id): the head's reduced draft vocabulary is a prefix of it (`EagleHead.set_draft_vocab`)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in indices:
+        s = data.sequence(i, ("input_ids", "loss_mask"))
+        counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order.to(torch.int32)
+
+
+def _batch(data, indices, device) -> dict[str, Tensor]:
+    b = data.batch(indices, FIELDS)
+    return {k: v.to(device) for k, v in b.items()}
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, data, indices, batch_size: int, steps: int, positions: int = 0, seed: int = 0) -> dict:
+    """Validation on held-out sequences (every index, or `positions` per sequence drawn from a
+    fixed generator, so every evaluation sees the same slots): mean batch loss, slot-weighted
+    per-step CE / acceptance estimates, and τ̂ = 1 + Σ_k Π_{i≤k} α_i for a chain of `steps` drafts
+    (an offline proxy; the suite measures real τ)."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    loss_sum, loss_n = 0.0, 0
+    for j in range(0, len(indices), batch_size):
+        batch = _batch(data, indices[j:j + batch_size], head.device)
+        loss, m = ttt_loss(head, batch, steps, positions, gen, with_stats=True)
+        loss_sum += float(loss)
+        loss_n += 1
+        for i in range(steps):
+            n = m.pop(f"_n{i}", 0.0)
+            for key in (f"ce{i}", f"acc{i}_t1", f"acc{i}_t0"):
+                if key in m:
+                    sums[key] = sums.get(key, 0.0) + float(m[key]) * n
+                    counts[key] = counts.get(key, 0.0) + n
+    out = {"loss": loss_sum / max(loss_n, 1)}
+    out.update({k: sums[k] / max(counts[k], 1.0) for k in sums})
+    for name in ("t1", "t0"):
+        tau, survive = 1.0, 1.0
+        for i in range(steps):
+            survive *= out.get(f"acc{i}_{name}", 0.0)
+            tau += survive
+        out[f"tau_est_{name}"] = tau
+    return out
+
+
+def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = False, progress: bool = True,
+          policy: str = "eagle", stop_after: int | None = None) -> TrainResult:
+    """Train an EAGLE head for `target` (a LoadedModel) on `data` (a TrainingData of that target);
+    writes the checkpoint, loss history and loss curve into `out_dir` and returns the TrainResult.
+    stop_after: end early with only the resumable checkpoint written (`common.run_training`)."""
+    out_dir = Path(out_dir)
+    opts = options(budget)
+    steps, positions = int(opts["ttt_steps"]), int(opts["positions"])
+    device = target.model.device
+    args = EagleArgs.for_target(target.model.args, data.tap_layers)
+    torch.manual_seed(seed)
+    head = build_head(args, target.model, dtype=torch.float32)  # fp32 master weights
+    head.init_weights(torch.Generator().manual_seed(seed))
+    train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
+    head.vocab_rank.copy_(vocab_rank(data, train_idx, args.model_args.vocab_size))
+    cfg = LoopConfig.from_budget(budget, seed)
+
+    def loss_fn(indices, generator):
+        loss, metrics = ttt_loss(head, _batch(data, indices, device), steps, positions, generator)
+        return loss, {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+    def eval_fn():
+        return evaluate(head, data, val_idx, cfg.batch_size, steps, positions, seed)
+
+    t0 = time.perf_counter()
+    history, done = run_training(head, loss_fn, train_idx, cfg, out_dir, resume=resume,
+                                 eval_fn=eval_fn if val_idx else None, progress=progress,
+                                 desc="train eagle", stop_after=stop_after)
+    train_s = history[-1]["elapsed_s"] if history else time.perf_counter() - t0
+    last = history[-1] if history else {}
+    final = {k: v for k, v in last.items() if k in ("loss", "ce0", "acc0_t1", "acc0_t0")
+             or k in ("val_loss", "val_tau_est_t1", "val_tau_est_t0")}
+    extra = {
+        "architecture": (f"EAGLE-3-style head: fc ({len(args.tap_layers)}·d → d) over taps {args.tap_layers}, "
+                         "1 decoder layer (target-shaped, q/k/v over [norm(emb); norm(hidden)]), "
+                         "target's frozen embedding and lm_head"),
+        "loss": (f"training-time test, {steps} steps, soft-label CE to the target distribution, step weights "
+                 f"{STEP_DECAY}^i; {'all' if not positions else positions} query positions / sequence"),
+    }
+    if val_idx and last:
+        for name in ("t1", "t0"):
+            acc = [last.get(f"val_acc{i}_{name}") for i in range(steps)]
+            if None not in acc:
+                extra[f"held-out per-step acceptance estimate ({'T = 1' if name == 't1' else 'greedy'}, "
+                      "own features)"] = ", ".join(f"{a:.3f}" for a in acc)
+    result = TrainResult(kind=KIND, out_dir=out_dir, steps=done, history=history, train_s=train_s,
+                         n_params=head.num_parameters(), final=final, extra=extra)
+    if done < cfg.steps:
+        return result  # interrupted on purpose: the checkpoint holds the state, no drafter yet
+    summary = {
+        "trainer": "specbench.train.eagle", "policy": policy, "seed": seed, "steps": done, "budget": budget,
+        "options": opts, "data": data.summary(), "step_decay": STEP_DECAY, "final": final,
+        "train_s": round(train_s, 1), "device": str(device), "torch": torch.__version__,
+    }
+    save_drafter(out_dir, KIND, args.to_dict(), head.state_dict(), target, summary)
+    plot_loss_curve(history, out_dir / CURVE_FILE, title=f"EAGLE head for {target.name}")
+    return result
