@@ -1,0 +1,479 @@
+"""Command line: `python -m specbench {run,sweep,list,report} ...`.
+
+Every input problem is reported as ONE line, `specbench: error: <message>`, on stderr with exit
+status 2, before any output file is created or any model is loaded. Ctrl-C exits with 130; the
+records already written stay (rerun the same command to resume).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import inspect
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tomllib
+from pathlib import Path
+
+from specbench.errors import UserError
+
+DEFAULT_TARGET = "smollm2-135m"
+SWEEP_RECORDS = "records.jsonl"
+SWEEP_SETTINGS = "sweep.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# argparse plumbing: errors become UserError (one line), values are validated by their types
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # default: usage + message, exit 2 → we want one line
+        raise UserError(message)
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {s!r}")
+    return v
+
+
+def _temperature(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {s!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"temperature must be a finite number ≥ 0, got {s!r}")
+    return v
+
+
+def _top_p(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1], got {s!r}")
+    return v
+
+
+def _list_of(item_type, what: str):
+    def parse(s: str):
+        parts = [p.strip() for p in s.split(",")]
+        if not s.strip() or any(not p for p in parts):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {s!r}")
+        out = [item_type(p) for p in parts]
+        if len(set(map(str, out))) != len(out):
+            raise argparse.ArgumentTypeError(f"duplicate entries in {s!r}")
+        return out
+
+    return parse
+
+
+def _param(s: str) -> tuple[str, object]:
+    key, sep, raw = s.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {s!r}")
+    return key, parse_scalar(raw.strip())
+
+
+def parse_scalar(raw: str):
+    """A TOML scalar (`4`, `0.5`, `true`, `"x"`); anything else is taken as a bare string."""
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+    if isinstance(value, (dict, list)) or hasattr(value, "isoformat"):
+        return raw
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
+    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report}", parser_class=_Parser)
+
+    def common(sp, single: bool):
+        sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
+        sp.add_argument("--limit", type=_positive_int, help="use the first N requests of each workload")
+        sp.add_argument("--max-new-tokens", type=_positive_int, help="generation limit (default: the workload's)")
+        sp.add_argument("--top-p", type=_top_p, default=1.0)
+        sp.add_argument("--seed", type=_nonneg_int, default=0)
+        sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+
+    r = sub.add_parser("run", help="one policy on one workload", description="Run one policy on one workload.")
+    r.add_argument("--policy", required=True, help="policy name, baseline (hf, hf-assisted, hf-pld) or spec .toml")
+    r.add_argument("--workload", required=True, help="workload name, spec .toml or .jsonl file")
+    common(r, True)
+    r.add_argument("--batch-size", type=_positive_int, default=1)
+    r.add_argument("--temperature", type=_temperature, default=0.0)
+    r.add_argument("--out", help="results .jsonl (default results/run-<policy>-<workload>-<UTC time>.jsonl); "
+                                 "an existing file is resumed")
+    r.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
+                   help="policy parameter override, value parsed as a TOML scalar (repeatable)")
+
+    s = sub.add_parser("sweep", help="policies × workloads × batch sizes × repeats, interleaved",
+                       description="Sweep policies × workloads × batch sizes × temperatures × repeats.")
+    s.add_argument("--policies", type=_list_of(str, "policy names"), required=True)
+    s.add_argument("--workloads", type=_list_of(str, "workload names"), required=True)
+    s.add_argument("--batch-sizes", type=_list_of(_positive_int, "positive integers"), default=[1])
+    s.add_argument("--repeats", type=_positive_int, default=1)
+    s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0])
+    s.add_argument("--out", required=True, help="results directory (records.jsonl + sweep.json); resumed if it exists")
+    common(s, False)
+
+    sub.add_parser("list", help="policies, baselines, workloads and models", description="List what can be run.")
+
+    rep = sub.add_parser("report", help="HTML + PDF report from results", description="Write the HTML and PDF report.")
+    rep.add_argument("results", help="a results .jsonl file or a directory of them")
+    rep.add_argument("--html", help="HTML output (default: report.html beside the results)")
+    rep.add_argument("--pdf", help="PDF output (default: report.pdf beside the results)")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (before any output file exists or any model loads)
+
+
+def check_writable(path: Path, what: str) -> None:
+    """`path` can be created (or, if it exists, written) without touching anything now."""
+    if path.exists():
+        if what == "directory" and not path.is_dir():
+            raise UserError(f"output directory {path} exists and is not a directory")
+        if what == "file" and path.is_dir():
+            raise UserError(f"output file {path} is a directory")
+        target = path if path.is_dir() else path.parent
+        if not os.access(target, os.W_OK | os.X_OK) or (path.is_file() and not os.access(path, os.W_OK)):
+            raise UserError(f"output {what} {path} is not writable")
+        return
+    anc = path.parent
+    while not anc.exists():
+        if anc == anc.parent:
+            break
+        anc = anc.parent
+    if not anc.is_dir():
+        raise UserError(f"cannot create output {what} {path}: {anc} is not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create output {what} {path}: {anc} is not writable")
+
+
+def check_device(device: str) -> str:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {device!r} (use cpu, cuda, cuda:N, mps)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {device!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device {device!r}: MPS is not available on this machine")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"unsupported device {device!r} (use cpu, cuda, cuda:N, mps)")
+    return str(dev)
+
+
+def check_policy(name: str, overrides: dict, batch_sizes) -> str:
+    """Validate a policy / baseline name and its parameter overrides; returns its record name."""
+    from specbench import baselines
+    from specbench.registry import import_object, list_policies, read_spec
+
+    if name in baselines.BASELINES:
+        baselines.check_params(name, overrides)
+        for b in batch_sizes:
+            baselines.check_batch_size(name, b)
+        return name
+    try:
+        spec = read_spec(name)
+    except UserError as e:
+        if name.endswith(".toml") or name in list_policies():
+            raise
+        valid = ", ".join(list_policies() + list(baselines.BASELINES))
+        raise UserError(f"unknown policy {name!r} (valid: {valid}, or a path to a .toml spec)") from None
+    if overrides:
+        builder = import_object(spec["builder"])
+        try:
+            sig = inspect.signature(builder)
+        except (TypeError, ValueError):
+            return spec["name"]
+        ps = list(sig.parameters.values())[1:]  # the first is the target
+        if not any(p.kind is p.VAR_KEYWORD for p in ps):
+            names = [p.name for p in ps]
+            for k in overrides:
+                if k not in names:
+                    raise UserError(f"policy {spec['name']!r} has no parameter {k!r} (parameters: {', '.join(names) or 'none'})")
+    return spec["name"]
+
+
+def load_workloads(names, limit):
+    from specbench.workloads import load_workload
+
+    out = []
+    for n in names:
+        w = load_workload(n, limit)
+        if not w.requests:
+            raise UserError(f"workload {n!r} has no requests")
+        out.append(w)
+    if len({w.name for w in out}) != len(out):
+        raise UserError(f"workload names must be distinct, got {', '.join(w.name for w in out)}")
+    return out
+
+
+def _slug(name: str) -> str:
+    stem = Path(name).name
+    for suf in (".toml", ".jsonl.gz", ".jsonl", ".json"):
+        if stem.endswith(suf):
+            stem = stem[: -len(suf)]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) or "x"
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def _load_target_and_engines(target_spec, device, policies_with_overrides):
+    from specbench.loading import load_model
+    from specbench.runner import make_engine
+
+    target = load_model(target_spec, device=device)
+    engines = [make_engine(name, target, ov) for name, ov in policies_with_overrides]
+    return target, engines
+
+
+def cmd_run(args) -> int:
+    from specbench.runner import read_records, run_sweep
+
+    overrides = dict(args.param)
+    device = check_device(args.device)
+    pname = check_policy(args.policy, overrides, [args.batch_size])
+    (workload,) = load_workloads([args.workload], args.limit)
+    if args.out:
+        out = Path(args.out)
+    else:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        out = Path("results") / f"run-{_slug(pname)}-{_slug(workload.name)}-{stamp}.jsonl"
+    check_writable(out, "file")
+    if out.exists():
+        read_records(out, repair=False)  # a malformed file fails now, not after the model loads
+
+    from specbench.envinfo import environment
+
+    target, engines = _load_target_and_engines(args.target, device, [(args.policy, overrides)])
+    result = run_sweep(
+        target, engines, [workload], out, batch_sizes=[args.batch_size], temperatures=[args.temperature],
+        repeats=1, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
+        env=environment(device), progress=not args.no_progress,
+    )
+    keys = set(result.keys)
+    recs = [r for r in read_records(out) if r["key"] in keys]
+    print(run_summary(recs, engines[0].name, workload.name, args.batch_size, args.temperature, result))
+    return 0
+
+
+def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, temperature: float, result) -> str:
+    """Short summary of a `run` (definitions as in specbench.stats)."""
+    def num(v):
+        return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
+
+    taus = [r["tau"] for r in recs if num(r.get("tau"))]
+    drafted = sum(r["drafted"] for r in recs if num(r.get("drafted")))
+    accepted = sum(r["accepted"] for r in recs if num(r.get("accepted")))
+    tps = [r["tokens_per_s"] for r in recs if num(r.get("tokens_per_s"))]
+    batches = {r["batch_id"]: (r["batch_generated_tokens"], r["batch_wall_s"]) for r in recs}
+    wall = sum(w for _, w in batches.values())
+    tau = f"{statistics.fmean(taus):.2f}" if taus else "n/a"
+    acc = f"{accepted / drafted:.3f}" if drafted else "n/a (nothing drafted)"
+    med = f"{statistics.median(tps):.1f} tok/s" if tps else "n/a"
+    thr = f"{sum(t for t, _ in batches.values()) / wall:.1f} tok/s" if wall > 0 else "n/a"
+    resumed = f" ({result.skipped} already in the file)" if result.skipped else ""
+    return "\n".join([
+        f"specbench run: {policy} on {workload}, batch size {batch_size}, temperature {temperature:g}",
+        f"  requests      {len(recs)}{resumed}",
+        f"  tau (mean)    {tau}",
+        f"  acceptance    {acc}",
+        f"  per-user      {med} (median)",
+        f"  throughput    {thr}",
+        f"  results       {result.path}",
+    ])
+
+
+def sweep_settings(args, policy_names, workloads, device) -> dict:
+    return {
+        "policies": list(args.policies), "policy_names": policy_names,
+        "workloads": list(args.workloads), "batch_sizes": list(args.batch_sizes), "repeats": args.repeats,
+        "temperatures": [float(t) for t in args.temperatures], "top_p": args.top_p, "seed": args.seed,
+        "limit": args.limit, "max_new_tokens": args.max_new_tokens, "target": args.target, "device": device,
+    }
+
+
+def _settings_diff(old: dict, new: dict) -> str:
+    diffs = [f"{k}: {json.dumps(old.get(k))} vs {json.dumps(new.get(k))}" for k in sorted(set(old) | set(new))
+             if old.get(k) != new.get(k)]
+    return "; ".join(diffs)
+
+
+def cmd_sweep(args) -> int:
+    from specbench.runner import fsync_dir, read_records, run_sweep
+
+    device = check_device(args.device)
+    names = [check_policy(p, {}, args.batch_sizes) for p in args.policies]
+    if len(set(names)) != len(names):
+        raise UserError(f"policy names must be distinct, got {', '.join(names)}")
+    workloads = load_workloads(args.workloads, args.limit)
+    out = Path(args.out)
+    check_writable(out, "directory")
+    settings = sweep_settings(args, names, workloads, device)
+    settings_file, records_file = out / SWEEP_SETTINGS, out / SWEEP_RECORDS
+    if settings_file.exists():
+        try:
+            old = json.loads(settings_file.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{settings_file}: unreadable sweep settings ({e})") from None
+        if old != settings:
+            raise UserError(f"{out} holds a sweep with different settings ({_settings_diff(old, settings)}); "
+                            "use another --out or the same settings to resume")
+    elif records_file.exists():
+        raise UserError(f"{records_file} exists but {settings_file} does not; use another --out")
+    if records_file.exists():
+        read_records(records_file, repair=False)
+
+    from specbench.envinfo import environment
+
+    target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
+    if not settings_file.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{SWEEP_SETTINGS}.tmp"
+        tmp.write_text(json.dumps(settings, indent=2) + "\n")
+        os.replace(tmp, settings_file)
+        fsync_dir(out)
+    result = run_sweep(
+        target, engines, workloads, records_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
+        repeats=args.repeats, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
+        env=environment(device), progress=not args.no_progress,
+    )
+    print(f"specbench sweep: {result.written} new record(s), {result.skipped} already present -> {records_file}")
+    print(sweep_summary(records_file))
+    return 0
+
+
+def sweep_summary(records_file: Path) -> str:
+    import pandas as pd
+
+    from specbench.stats import load_results, summarize
+
+    df = load_results(records_file)
+    s = summarize(df)
+    cols = [c for c in ("workload", "batch_size", "temperature", "policy", "n", "speedup", "speedup_ci_low",
+                        "speedup_ci_high", "p_holm", "tau", "acceptance_rate", "tps_median", "throughput", "note")
+            if c in s.columns]
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_colwidth", 40):
+        return s[cols].to_string(index=False, float_format=lambda x: f"{x:.3g}")
+
+
+def cmd_list(args) -> int:
+    from specbench import baselines
+    from specbench.loading import ALIASES, default_cache_dir
+    from specbench.registry import builtin_specs, entry_point_builders, list_policies, read_spec
+    from specbench.workloads import WORKLOADS_DIR, list_workloads
+
+    print("policies:")
+    specs, eps = builtin_specs(), entry_point_builders()
+    for name in list_policies():
+        try:
+            params = read_spec(name).get("params", {})
+        except UserError as e:
+            params = {"error": str(e)}
+        where = "entry point" if name in eps and name not in specs else f"policies/{name}.toml"
+        desc = ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
+        print(f"  {name:<18} {desc}   ({where})")
+    print("baselines (peer implementations, run like policies):")
+    for name, desc in baselines.BASELINES.items():
+        print(f"  {name:<18} {desc}")
+    print("workloads:")
+    for name in list_workloads():
+        try:
+            spec = tomllib.loads((WORKLOADS_DIR / f"{name}.toml").read_text())
+            desc = spec.get("description", "")
+        except (OSError, tomllib.TOMLDecodeError):
+            desc = "(unreadable spec)"
+        print(f"  {name:<18} {desc}")
+    print("  (or any Spec-Bench / DeepSpec .jsonl file, or a workload .toml spec)")
+    print("models:")
+    cache = default_cache_dir() / "models"
+    for alias in ALIASES:
+        state = "cached" if (cache / alias / "manifest.json").is_file() else "converted on first use"
+        print(f"  {alias:<18} alias ({state}){'  [default]' if alias == DEFAULT_TARGET else ''}")
+    if cache.is_dir():
+        for d in sorted(cache.iterdir()):
+            if d.is_dir() and d.name not in ALIASES and not d.name.startswith(".") and (d / "config.json").is_file():
+                print(f"  {d.name:<18} cached conversion: {d}")
+    print("  (or a .gguf file, a local HF directory, or a hub id org/name)")
+    return 0
+
+
+def cmd_report(args) -> int:
+    results = Path(args.results)
+    if not results.exists():
+        raise UserError(f"results path not found: {results}")
+    html, pdf = args.html, args.pdf
+    if html is None and pdf is None:
+        base = results if results.is_dir() else results.parent
+        stem = "report" if results.is_dir() else results.name.removesuffix(".jsonl")
+        html, pdf = str(base / f"{stem}.html"), str(base / f"{stem}.pdf")
+    for p in (html, pdf):
+        if p is not None:
+            check_writable(Path(p), "file")
+    from specbench import report
+
+    report.write_report(results, html_path=html, pdf_path=pdf)
+    for p in (html, pdf):
+        if p is not None:
+            print(f"wrote {p}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "list": cmd_list, "report": cmd_report}
+
+
+def main(argv=None) -> int:
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help / --version
+            return int(e.code or 0)
+        if not args.command:
+            raise UserError("choose a command: run, sweep, list, report (see specbench --help)")
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"specbench: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specbench: interrupted; records already written stay (rerun the same command to resume)", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1

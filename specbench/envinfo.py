@@ -1,0 +1,83 @@
+"""The run environment recorded in every results record (`env`, docs/records.md)."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _version(pkg: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else platform's best guess."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device) -> str:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "mps":
+        return f"Apple MPS ({platform.machine()})"
+    return cpu_name()
+
+
+@lru_cache(maxsize=1)
+def git_state(repo: str = str(REPO_ROOT)) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the checkout specbench runs from; (None, None) outside a git checkout."""
+    if not (Path(repo) / ".git").exists():
+        return None, None
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return commit or None, bool(status.strip())
+
+
+def environment(device="cpu") -> dict:
+    """python, torch, transformers versions; device name; cpu count; torch threads; git commit and
+    dirty flag (None outside a git checkout); hostname; UTC time (ISO 8601)."""
+    import torch
+
+    commit, dirty = git_state()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "specbench": _version("specbench"),
+        "device": str(device),
+        "device_name": device_name(device),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "hostname": socket.gethostname(),
+        "platform": sys.platform,
+        "time": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
