@@ -108,7 +108,7 @@ def parse_scalar(raw: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
-    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,train,calibrate,profile}", parser_class=_Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
@@ -146,7 +146,66 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("results", help="a results .jsonl file or a directory of them")
     rep.add_argument("--html", help="HTML output (default: report.html beside the results)")
     rep.add_argument("--pdf", help="PDF output (default: report.pdf beside the results)")
+
+    from specbench.train import cli as train_cli
+
+    train_cli.add_parser(sub)
+
+    cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
+                         description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")
+    cal.add_argument("--drafter", default="drafters/smollm2-135m/dspark")
+    cal.add_argument("--data", required=True, help="the drafter's training data directory (its validation split is used)")
+    cal.add_argument("--target", default=DEFAULT_TARGET)
+    cal.add_argument("--prompts", type=_positive_int, default=24)
+    cal.add_argument("--temperature", type=_temperature, default=1.0)
+    cal.add_argument("--max-new-tokens", type=_positive_int, default=96)
+    cal.add_argument("--batch-size", type=_positive_int, default=8)
+    cal.add_argument("--device", default="cpu")
+    cal.set_defaults(func=cmd_calibrate)
+
+    prof = sub.add_parser("profile", help="measure the target's verify cost on this device",
+                          description="Measure target forward time vs batch size and verify length; store the cost profile.")
+    prof.add_argument("--target", default=DEFAULT_TARGET)
+    prof.add_argument("--device", default="cpu")
+    prof.add_argument("--context", type=_positive_int, default=256)
+    prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16])
+    prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8])
+    prof.add_argument("--out", required=True, help="profile .json to write")
+    prof.set_defaults(func=cmd_profile)
     return p
+
+
+def cmd_calibrate(args) -> int:
+    from specbench.calibrate import calibrate
+    from specbench.loading import load_model
+    from specbench.train.data import TrainingData
+
+    device = check_device(args.device)
+    target = load_model(args.target, device=device)
+    data = TrainingData(args.data, target)
+    result = calibrate(target, args.drafter, data, n_prompts=args.prompts, temperature=args.temperature,
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    print(f"STS temperatures: {[round(t, 2) for t in result['temperatures']]}  "
+          f"({result['rollouts']} rollouts from {result['prompts']} held-out prompts)")
+    for row in result["per_position"]:
+        print(f"  position {row['position']}: n={row['n']}  ECE {row['ece_before']:.3f} -> {row['ece_after']:.3f}  AUC {row['auc']:.3f}")
+    print(f"written: {result['path']}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from specbench import profile
+    from specbench.loading import load_model
+
+    device = check_device(args.device)
+    check_writable(Path(args.out), "file")
+    target = load_model(args.target, device=device)
+    data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs)
+    profile.save(data, args.out)
+    for e in data["entries"]:
+        print(f"b={e['batch']:<4} q={e['q']:<3} {e['median_ms']:8.2f} ms")
+    print(f"written: {args.out}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,8 +525,10 @@ def main(argv=None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0)
         if not args.command:
-            raise UserError("choose a command: run, sweep, list, report (see specbench --help)")
-        return COMMANDS[args.command](args)
+            raise UserError("choose a command: run, sweep, list, report, train, calibrate, profile (see specbench --help)")
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args)
+        return args.func(args)
     except UserError as e:
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"specbench: error: {msg}", file=sys.stderr)

@@ -1,0 +1,42 @@
+"""The embedded default target with real prompts (HumanEval and MT-Bench through the chat
+template): every chain policy is token-identical to AR under greedy decoding at batch sizes 1
+and 4 (16 is covered by the slow CLI test)."""
+from __future__ import annotations
+
+import pytest
+
+from specbench.core import SamplingConfig, generate
+from specbench.registry import build_policy
+from specbench.workloads import load_workload, render_prompt
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def real_prompts(default_model):
+    prompts = []
+    for name, n in (("code", 3), ("chat", 1)):
+        workload = load_workload(name, limit=n)
+        prompts += [render_prompt(default_model.tokenizer, workload, [("user", r.turns[0])]) for r in workload.requests]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def ar_reference(default_model, real_prompts):
+    config = SamplingConfig(max_new_tokens=32)
+    ar = build_policy("ar", default_model)
+    return [generate(default_model.model, ar, [p], config, default_model.eos_token_ids).requests[0].output_ids
+            for p in real_prompts]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("policy,params", [("pld", {}), ("fixed-k", {"drafter": "truncate:8", "k": 3})])
+def test_greedy_identity_default_model(default_model, real_prompts, ar_reference, policy, params, batch_size):
+    config = SamplingConfig(max_new_tokens=32)
+    pol = build_policy(policy, default_model, params)
+    out = []
+    for i in range(0, len(real_prompts), batch_size):
+        out += generate(default_model.model, pol, real_prompts[i : i + batch_size], config,
+                        default_model.eos_token_ids).requests
+    assert [r.output_ids for r in out] == ar_reference
+    assert sum(r.drafted for r in out) > 0
