@@ -108,7 +108,7 @@ def parse_scalar(raw: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
-    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,train,calibrate,profile}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,train,calibrate,profile,regress}", parser_class=_Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
@@ -147,9 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--html", help="HTML output (default: report.html beside the results)")
     rep.add_argument("--pdf", help="PDF output (default: report.pdf beside the results)")
 
+    from specbench import regress
     from specbench.train import cli as train_cli
 
     train_cli.add_parser(sub)
+    regress.add_parser(sub)
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")
@@ -517,6 +519,15 @@ def cmd_report(args) -> int:
 COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "list": cmd_list, "report": cmd_report}
 
 
+def _regress_main(args) -> int:
+    from specbench import regress
+
+    return regress.main(args)
+
+
+COMMANDS["regress"] = _regress_main
+
+
 def main(argv=None) -> int:
     try:
         parser = build_parser()
@@ -525,7 +536,7 @@ def main(argv=None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0)
         if not args.command:
-            raise UserError("choose a command: run, sweep, list, report, train, calibrate, profile (see specbench --help)")
+            raise UserError("choose a command: run, sweep, list, report, train, calibrate, profile, regress (see specbench --help)")
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         return args.func(args)

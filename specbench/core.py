@@ -151,6 +151,8 @@ def generate(
 
     while bool(state.active.any()):
         draft = policy.propose(state)
+        if getattr(policy, "debug_round_delay_s", 0.0) > 0:  # debug knob (registry: debug_round_delay_ms)
+            _spin(policy.debug_round_delay_s)
         if draft is None:
             draft = Draft(tokens=torch.zeros(b, 0, dtype=torch.long, device=device), probs=None, lengths=zeros)
         verify_lengths = policy.schedule(draft, state).clamp(max=draft.tokens.shape[1]) * state.active
@@ -275,6 +277,16 @@ def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes:
         verify_features = verify_features.gather(1, index.to(device)[..., None].expand(-1, -1, verify_features.shape[-1]))
     depths = depth.max(dim=1).values.tolist()
     return paths, next_token, verify_features, depths, n_nodes.tolist()
+
+
+def _spin(seconds: float) -> None:
+    """Busy-wait for `seconds` of this thread's CPU time: the debug delay is extra work in the round,
+    which a loaded machine stretches like the rest of the round (a time.sleep hands the CPU away,
+    and there each wake-up costs far more than the sleep)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        for _ in range(100):  # a few µs of pure work between clock reads (each read is a syscall)
+            pass
 
 
 def _count_positions(per_position: list[int], n: int) -> None:

@@ -54,6 +54,7 @@ class Policy:
     max_draft = 0  # the most draft tokens one row may verify in a round (sizes the KV cache)
     target_taps: tuple[int, ...] = ()  # target layers whose features `begin`/`observe` receive
     drafter: str | None = None
+    debug_round_delay_s = 0.0  # test knob (registry's `debug_round_delay_ms`): the core busy-waits this much CPU time per round
 
     def params(self) -> dict:
         return {}

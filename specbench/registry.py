@@ -78,6 +78,11 @@ def import_object(dotted: str):
 def build_policy(name_or_path: str, target, overrides: dict | None = None) -> Policy:
     spec = read_spec(name_or_path)
     params = {**spec["params"], **(overrides or {})}
+    # Generic debug knob (any policy): an artificial delay per round, to test the regression gate.
+    try:
+        delay_ms = float(params.pop("debug_round_delay_ms", 0.0))
+    except (TypeError, ValueError):
+        raise UserError(f"policy {spec['name']!r}: debug_round_delay_ms must be a number") from None
     builder = import_object(spec["builder"])
     try:
         policy = builder(target, **params)
@@ -86,6 +91,8 @@ def build_policy(name_or_path: str, target, overrides: dict | None = None) -> Po
     except ValueError as e:
         raise UserError(f"policy {spec['name']!r}: {e}") from None
     policy.name = spec["name"]
+    if delay_ms > 0:
+        policy.debug_round_delay_s = delay_ms / 1e3
     return policy
 
 
