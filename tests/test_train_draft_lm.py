@@ -68,7 +68,7 @@ def test_schedule_and_data_order():
     seen = [i for s in range(7) for i in batch_indices(s, items, 3, seed=5)]  # 3 epochs of 7
     assert sorted(seen) == sorted(items * 3) and sorted(seen[:7]) == items
     assert batch_indices(4, items, 3, seed=5) == batch_indices(4, items, 3, seed=5)
-    assert set(BUDGETS) == {"tiny", "small", "full"}
+    assert set(BUDGETS) == {"tiny", "quick", "small", "full"}
     with pytest.raises(UserError, match="unknown budget"):
         get_budget("huge")
 
