@@ -585,17 +585,8 @@ def _nonneg_float(s: str) -> float:
     return v
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from specbench.cli import _positive_int  # the CLI's shared argument types
     p.add_argument("--baseline", required=True, help="baseline results (.jsonl or directory), e.g. results/baseline/NAME/")
     p.add_argument("--current", help="current results (.jsonl or directory), e.g. results/NAME/")
     p.add_argument("--max-slowdown", type=_fraction, default=0.05,
