@@ -21,6 +21,7 @@ from pathlib import Path
 from specbench.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m"
+RUN_DEFAULT_LIMIT = 8  # requests a `run` takes without --limit / --all
 SWEEP_RECORDS = "records.jsonl"
 SWEEP_SETTINGS = "sweep.json"
 
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workload", required=True, help="workload name, spec .toml or .jsonl file")
     common(r, True)
     r.add_argument("--batch-size", type=_positive_int, default=1)
+    r.add_argument("--all", action="store_true",
+                   help=f"every request of the workload (default without --limit: the first {RUN_DEFAULT_LIMIT})")
     r.add_argument("--temperature", type=_temperature, default=0.0)
     r.add_argument("--out", help="results .jsonl (default results/run-<policy>-<workload>-<UTC time>.jsonl); "
                                  "an existing file is resumed")
@@ -330,7 +333,11 @@ def cmd_run(args) -> int:
     overrides = dict(args.param)
     device = check_device(args.device)
     pname = check_policy(args.policy, overrides, [args.batch_size])
-    (workload,) = load_workloads([args.workload], args.limit)
+    if args.all and args.limit:
+        raise UserError("--all and --limit contradict each other; give one")
+    # A `run` is the quick look (a few minutes on a laptop CPU); sweeps take every request.
+    limit = None if args.all else (args.limit or RUN_DEFAULT_LIMIT)
+    (workload,) = load_workloads([args.workload], limit)
     if args.out:
         out = Path(args.out)
     else:

@@ -46,6 +46,9 @@ class RequestResult:
     decode_s: float = 0.0
     trace_verify_len: list[int] = field(default_factory=list)
     trace_accepted: list[int] = field(default_factory=list)
+    # Per round: the calibrated confidences of the drafts proposed ([] when the policy gives none or
+    # did not draft that round); what `specbench simulate` replays through the DSpark schedulers.
+    trace_confidence: list[list[float]] = field(default_factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -166,6 +169,7 @@ def generate(
 
         next_list = next_token.tolist()
         drafts_list = draft.tokens.tolist()
+        conf_list = draft.confidence.float().tolist() if draft.confidence is not None else None
         new_tokens = []
         for r in range(b):
             if not active_list[r]:
@@ -178,6 +182,7 @@ def generate(
             _count_positions(res.drafted_per_position, depths[r])
             _count_positions(res.accepted_per_position, len(paths[r]))
             res.trace_verify_len.append(nodes_list[r])
+            res.trace_confidence.append([round(c, 4) for c in conf_list[r]] if conf_list else [])
         emitted = _commit(state, results, new_tokens, eos, max_new)
         # Rows that just finished observe nothing: their drafter state no longer matters.
         accepted = torch.tensor([len(p) for p in paths], device=device) * state.active

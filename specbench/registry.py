@@ -118,9 +118,12 @@ def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
 
 
 def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
-                 threshold: float = 0.5, gamma: int | None = None, profile: str = "auto", calibrated: bool = True) -> Policy:
+                 threshold: float = 0.5, gamma: int | None = None, profile: str = "auto", calibrated: bool = True,
+                 draft_gate: bool | None = None) -> Policy:
     """DSpark / DFlash over a trained drafter; `profile` is "auto" (this device's cost profile,
-    measured once and cached) or a path to a profile json from `specbench profile`."""
+    measured once and cached) or a path to a profile json from `specbench profile`. draft_gate
+    (policies/dspark.py): skip the drafter while it does not pay; default on with the cost-model
+    schedulers (algorithm1, capacity), off otherwise."""
     import json
 
     from specbench import profile as profiles
@@ -146,4 +149,5 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
         if "draft" in data:
             draft_seconds = profiles.draft_time_model(data["draft"])
     return DSpark(model, scheduler=scheduler, threshold=threshold, sts_temperatures=temperatures,
-                  step_seconds=step_seconds, draft_seconds=draft_seconds, max_length=gamma, drafter_name=drafter)
+                  step_seconds=step_seconds, draft_seconds=draft_seconds, max_length=gamma, drafter_name=drafter,
+                  draft_gate=(scheduler in ("algorithm1", "capacity")) if draft_gate is None else draft_gate)

@@ -150,8 +150,8 @@ def _finite(x):
 
 def _trace(res) -> dict:
     trace = {"verify_len": list(res.trace_verify_len), "accepted": list(res.trace_accepted)}
-    confidence = getattr(res, "trace_confidence", None)  # DSpark, when the core records it
-    if confidence:
+    confidence = getattr(res, "trace_confidence", None)  # policies with a confidence head (DSpark)
+    if confidence and any(confidence):
         trace["confidence"] = list(confidence)
     return trace
 

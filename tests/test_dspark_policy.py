@@ -116,3 +116,45 @@ def test_verify_length_falls_as_batch_grows(target):
             lengths += [v for r in out for v in r.trace_verify_len]
         means.append(sum(lengths) / len(lengths))
     assert means[0] > means[1] > means[2], means
+
+
+@pytest.mark.parametrize("draft_cost", [0.0, 0.004, 100.0])
+def test_draft_gate_greedy_identity(target, draft_cost):
+    """The draft gate (skip the drafter while it does not pay) keeps greedy identity whether it
+    never skips (free drafting), toggles, or skips with exponential back-off (drafting ruinous)."""
+    prompts = random_prompts(8, VOCAB, seed=5)
+    config = SamplingConfig(max_new_tokens=40)
+    reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
+    cheap = lambda rows, q: 0.010 + 0.0001 * rows * q  # noqa: E731  (verifying drafts pays)
+    pol = DSpark(make_drafter(target, seed=4), scheduler="algorithm1", step_seconds=cheap,
+                 draft_seconds=lambda rows: draft_cost, sts_temperatures=[1.3, 0.8, 1.0, 1.1], draft_gate=True)
+    out = generate(target, pol, prompts, config).requests
+    assert [r.output_ids for r in out] == reference
+    skipped = sum(1 for r in out for c in r.trace_confidence if not c)
+    drafted = sum(1 for r in out for c in r.trace_confidence if c)
+    assert drafted > 0
+    if draft_cost == 0.0:
+        assert skipped < drafted / 4
+    if draft_cost == 100.0:
+        # back-off 1, 2, 4 … : far more skipped rounds than probes
+        assert skipped > 2 * drafted / len(prompts)
+        assert all(v == 0 for r in out for v, c in zip(r.trace_verify_len, r.trace_confidence) if not c)
+
+
+def test_draft_gate_sampling_matches_target(small):
+    """χ² at T = 1 with the gate skipping and probing (a ruinous draft cost: draft, skip 1, draft,
+    skip 2, …): mixing drafter-free rounds into the policy leaves the distribution the target's."""
+    target, drafter = small
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    pol = DSpark(drafter, scheduler="algorithm1", step_seconds=lambda rows, q: 0.01 + 0.0001 * rows * q,
+                 draft_seconds=lambda rows: 100.0, sts_temperatures=[1.5, 0.7, 1.0], group_size=4, draft_gate=True)
+    config = SamplingConfig(max_new_tokens=N_TOKENS, temperature=1.0, seed=123)
+    result = generate(target, pol, [prompt] * N_SAMPLES, config)
+    rounds = [bool(c) for c in result.requests[0].trace_confidence]
+    assert True in rounds and False in rounds  # both kinds of round happened
+    counts = {}
+    for r in result.requests:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue > 1e-3, f"DSpark with the draft gate differs (p={pvalue:.2e}, TV={tv:.4f})"

@@ -13,6 +13,17 @@ Per round (reference/dspark.md §4.5, §8):
             E[tokens]·SPS(B) on this device's measured cost profile, with the early stop that keeps
             it lossless), or the production capacity variant (K from confidences two rounds old);
   observe   the target features of [anchor, accepted drafts] join the draft context.
+
+Draft gate (specbench's addition, `draft_gate`, on by default with the cost-model schedulers):
+the paper's step always runs the drafter, and Algorithm 1 can only cut the verify side. On a
+device where one drafting round costs a good part of a target step (a 135M target on a CPU:
+γ slots through the 49k-vocabulary head), that floor alone keeps DSpark below AR at high load.
+So after every drafted round the policy asks, with that round's confidences and the same cost
+profile, whether drafting paid: max over Algorithm 1's admission path of
+E[tokens] / (draft(b) + step(b, 1 + max ℓ)) against rows / step(b, 1). If not, the next rounds
+skip the drafter (plain decode steps, ℓ = 0 for every row) and probe again after 1, 2, 4 … 64
+skipped rounds. The decision uses confidences of earlier rounds only, never the current drafts,
+so it is lossless for the same reason as the production variant's stale capacity (§4.4).
 """
 from __future__ import annotations
 
@@ -27,6 +38,7 @@ from specbench.scheduler import (algorithm1_lengths, best_capacity, capacity_len
                                  threshold_lengths)
 
 SCHEDULERS = ("fixed", "threshold", "algorithm1", "capacity")
+MAX_BACKOFF = 64  # the draft gate probes at least once every this many rounds
 
 
 class DSpark(Policy):
@@ -35,7 +47,7 @@ class DSpark(Policy):
     def __init__(self, draft_model, scheduler: str = "algorithm1", threshold: float = 0.5,
                  sts_temperatures: list[float] | None = None, step_seconds=None, draft_seconds=None,
                  max_length: int | None = None,
-                 drafter_name: str | None = None, group_size: int | None = None):
+                 drafter_name: str | None = None, group_size: int | None = None, draft_gate: bool = False):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r} (valid: {', '.join(SCHEDULERS)})")
         if scheduler != "fixed" and draft_model.args.confidence_head is False:
@@ -59,12 +71,17 @@ class DSpark(Policy):
         if group_size and scheduler == "capacity":
             raise ValueError("group_size is not supported with the capacity scheduler")
         self.group_size = group_size  # tests / simulation: independent scheduling groups within a batch
+        if draft_gate and step_seconds is None:
+            raise ValueError("draft_gate needs a cost profile")
+        self.draft_gate = draft_gate
+        self.skip_rounds = 0  # drafter-free rounds left before the next probe
+        self.backoff = 1  # skipped rounds after the next probe that does not pay (doubles up to MAX_BACKOFF)
         # Raw confidence logits per row per round (before STS), for calibration and traces.
         self.confidence_log: list[list[list[float]]] = []
 
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
-                "sts": [round(float(t), 3) for t in self.sts_temperatures]}
+                "sts": [round(float(t), 3) for t in self.sts_temperatures], "draft_gate": self.draft_gate}
 
     def begin(self, state: BatchState, prompt_features: Tensor | None) -> None:
         b, cap = state.tokens.shape
@@ -73,9 +90,13 @@ class DSpark(Policy):
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
         self.confidence_log = [[] for _ in range(b)]
+        self.skip_rounds, self.backoff = 0, 1
 
     @torch.inference_mode()
-    def propose(self, state: BatchState) -> Draft:
+    def propose(self, state: BatchState) -> Draft | None:
+        if self.skip_rounds > 0:  # the gate: a plain decode step (the core verifies nothing)
+            self.skip_rounds -= 1
+            return None
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
         tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p, state.generator)
         tokens, probs = tokens[:, : self.gamma], probs[:, : self.gamma]
@@ -86,10 +107,33 @@ class DSpark(Policy):
                 self.confidence_log[r].append(raw[r])
             temps = self.sts_temperatures[: self.gamma].to(conf_logits.device)
             confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / temps)
+            if self.draft_gate:
+                self._update_gate(confidence, state.active)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide.
         return Draft(tokens=tokens, probs=probs if state.temperature > 0 else None, lengths=lengths,
                      confidence=confidence)
+
+    def _update_gate(self, confidence: Tensor, active_mask: Tensor) -> None:
+        """Decide, from this round's confidences, whether the *next* rounds draft (module docstring)."""
+        active = active_mask.nonzero().flatten()
+        if len(active) == 0:
+            return
+        b, rows = len(active_mask), len(active)
+        conf = confidence[active]
+        lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=conf.device)
+        draft_cost = self.draft_seconds(b)
+        best = algorithm1_lengths(conf, lengths, lambda total: 1.0 / (draft_cost + self.step_seconds(b, max(total // rows, 1))),
+                                  early_stop=False, padded=True)
+        survival = conf.float().clamp(0, 1).cumprod(-1)
+        expected = rows + float((survival * (torch.arange(self.gamma, device=conf.device)[None] < best[:, None])).sum())
+        with_draft = expected / (draft_cost + self.step_seconds(b, 1 + int(best.max())))
+        without = rows / self.step_seconds(b, 1)
+        if with_draft > without:
+            self.backoff = 1
+        else:
+            self.skip_rounds = self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
 
     def schedule(self, draft: Draft, state: BatchState) -> Tensor:
         if self.group_size:  # schedule consecutive groups of rows as if each were its own batch
@@ -104,6 +148,8 @@ class DSpark(Policy):
 
     def _schedule(self, draft: Draft, active_mask: Tensor) -> Tensor:
         lengths = draft.lengths * active_mask
+        if draft.tokens.shape[1] == 0:  # a round the draft gate skipped
+            return lengths
         if self.scheduler == "fixed":
             return fixed_lengths(lengths)
         conf = draft.confidence
