@@ -89,3 +89,31 @@ def calibration_table(logits: np.ndarray, verified: np.ndarray, accepted: np.nda
             row["ece_after"] = expected_calibration_error(scaled[m, k], labels[m, k])
         rows.append(row)
     return rows
+
+
+def calibration_from_traces(traces: list[dict], temperatures: list[float]) -> list[dict]:
+    """Per-position ECE / AUC on the rounds of real runs (held-out evaluation prompts).
+
+    traces: the records' `trace` dicts (`confidence` = per round the calibrated c_k = σ(z_k / T_k),
+    `verify_len`, `accepted`); temperatures: the STS temperatures the run used (policy params
+    `sts`), to recover the uncalibrated σ(z_k) for the "before" column. Rounds that drafted nothing
+    are skipped. Under a scheduler, position k is labelled only in rounds that verified ≥ k drafts:
+    the labels are censored exactly as the scheduler's decisions make them, which is what the
+    scheduler needs calibrated."""
+    temps = np.asarray(temperatures, dtype=float)
+    logits, verified, accepted = [], [], []
+    for tr in traces:
+        for conf, v, a in zip(tr.get("confidence") or [], tr["verify_len"], tr["accepted"]):
+            if not conf:
+                continue
+            c = np.clip(np.asarray(conf, dtype=float), 1e-6, 1 - 1e-6)
+            g = min(len(c), len(temps))
+            z = np.log(c[:g] / (1 - c[:g])) * temps[:g]  # the raw logit z_k = T_k · logit(c_k)
+            logits.append(z)
+            verified.append(v)
+            accepted.append(a)
+    if not logits:
+        return []
+    gamma = min(len(z) for z in logits)
+    z = np.stack([x[:gamma] for x in logits])
+    return calibration_table(z, np.asarray(verified), np.asarray(accepted), temps[:gamma])

@@ -327,6 +327,30 @@ def breakeven_table(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["Workload", "T", "Policy", "faster (Holm p<0.05)", "no significant difference", "slower (Holm p<0.05)"])
 
 
+def calibration_tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """Held-out confidence calibration per (policy, workload) for runs that recorded confidences
+    (DSpark): ECE of the prefix-survival prediction before / after STS, AUC, per position."""
+    from specbench.calibration import calibration_from_traces
+
+    out = []
+    if "trace" not in df.columns:
+        return out
+    for (policy, workload), g in df.groupby(["policy", "workload"], sort=True):
+        traces = [t for t in g["trace"] if isinstance(t, dict) and t.get("confidence")]
+        params = [p for p in g.get("policy_params", []) if isinstance(p, dict) and p.get("sts")]
+        if not traces or not params:
+            continue
+        rows = calibration_from_traces(traces, params[0]["sts"])
+        rows = [r for r in rows if r["n"] > 0]
+        if not rows:
+            continue
+        t = pd.DataFrame([{"Position": r["position"], "n": r["n"], "Accept rate": _fmt(r["label_rate"], 3),
+                           "T (STS)": _fmt(r["temperature"]), "ECE before": _fmt(r["ece_before"], 3),
+                           "ECE after": _fmt(r["ece_after"], 3), "AUC": _fmt(r["auc"], 3)} for r in rows])
+        out.append((f"{policy} on {workload}", t))
+    return out
+
+
 def _html_table(t: pd.DataFrame, cls: str = "") -> str:
     if t.empty:
         return "<p class='muted'>(empty)</p>"
@@ -442,6 +466,16 @@ _METHOD = (
 )
 
 
+_CALIBRATION_NOTE = (
+    "The confidence head predicts each draft's conditional acceptance; the scheduler uses the prefix "
+    "survival Π c_i, so that is what is scored: equal-width-bin ECE (15 bins) of the prediction before "
+    "(T = 1) and after Sequential Temperature Scaling (per-position temperatures fitted by "
+    "`specbench calibrate` on the drafter's own held-out training prompts), on the rounds of these "
+    "runs (evaluation prompts, never seen in fitting). Under a scheduler, position k is labelled only "
+    "in rounds that verified ≥ k drafts. AUC is unchanged by temperature scaling."
+)
+
+
 def write_report(
     results_path: str | Path,
     html_path: str | Path | None = None,
@@ -489,6 +523,7 @@ def write_report(
     table = summary_table(summary)
     table_cat = summary_table(summary_cat, with_category=True) if summary_cat is not None else None
     be = breakeven_table(summary)
+    calibration = calibration_tables(df)
     method = _METHOD.format(n_resamples=n_resamples, seed=seed)
     generated = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     files = sorted(set(df["_file"]))
@@ -516,6 +551,10 @@ def write_report(
                              f"src='data:image/png;base64,{_png_b64(fig)}'><figcaption>{html.escape(cap)}</figcaption></figure>")
             if table_cat is not None:
                 parts += ["<h2>Summary per category</h2>", _html_table(table_cat)]
+            if calibration:
+                parts.append(f"<h2>Confidence calibration (held-out)</h2><p class='muted'>{html.escape(_CALIBRATION_NOTE)}</p>")
+                for name, t in calibration:
+                    parts += [f"<h3>{html.escape(name)}</h3>", _html_table(t)]
             parts += ["<h2>Run environment</h2>", _html_table(env.rename(columns={"field": "Field", "value": "Value"}), "env"),
                       "<p class='muted'>specbench — paired per-prompt statistics; see docs for definitions.</p></body></html>"]
             _atomic_write(Path(html_path), "".join(parts).encode("utf-8"))
@@ -529,6 +568,8 @@ def write_report(
             pages += [f for _, _, f in figs]
             if table_cat is not None:
                 pages += _table_pages(table_cat.drop(columns=["med. log s", "r_rb", "Note"]), "Summary per category")
+            for name, t in calibration:
+                pages += _table_pages(t, f"Confidence calibration (held-out): {name}")
             pages += _table_pages(env.rename(columns={"field": "Field", "value": "Value"}), "Run environment", rows_per_page=30)
             with PdfPages(buf, metadata={"Title": title, "Creator": "specbench"}) as pdf:
                 for f in pages:
