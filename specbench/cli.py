@@ -109,7 +109,7 @@ def parse_scalar(raw: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
-    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,train,calibrate,profile,regress}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress}", parser_class=_Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=_positive_int, default=1)
     s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0])
     s.add_argument("--out", required=True, help="results directory (records.jsonl + sweep.json); resumed if it exists")
+    s.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local: this process (default); ray: each cell a Ray task (pip install -e \".[ray]\")")
+    s.add_argument("--ray-address", help="Ray cluster to attach to (default: RAY_ADDRESS, else start a local one; 'auto': a running local one)")
     common(s, False)
 
     sub.add_parser("list", help="policies, baselines, workloads and models", description="List what can be run.")
@@ -150,11 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--html", help="HTML output (default: report.html beside the results)")
     rep.add_argument("--pdf", help="PDF output (default: report.pdf beside the results)")
 
-    from specbench import regress
+    from specbench import regress, simulate
     from specbench.train import cli as train_cli
 
     train_cli.add_parser(sub)
     regress.add_parser(sub)
+    simulate.add_parser(sub)
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")
@@ -205,7 +209,7 @@ def cmd_profile(args) -> int:
     device = check_device(args.device)
     check_writable(Path(args.out), "file")
     target = load_model(args.target, device=device)
-    data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs)
+    data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs, engine_costs=True)
     profile.save(data, args.out)
     for e in data["entries"]:
         print(f"b={e['batch']:<4} q={e['q']:<3} {e['median_ms']:8.2f} ms")
@@ -406,7 +410,15 @@ def _settings_diff(old: dict, new: dict) -> str:
 def cmd_sweep(args) -> int:
     from specbench.runner import fsync_dir, read_records, run_sweep
 
-    device = check_device(args.device)
+    if args.ray_address and args.executor != "ray":
+        raise UserError("--ray-address needs --executor ray")
+    if args.executor == "ray":
+        from specbench import ray_executor
+
+        ray_executor.import_ray()
+        device = ray_executor.ray_device(args.device)  # the cells' device, not necessarily this machine's
+    else:
+        device = check_device(args.device)
     names = [check_policy(p, {}, args.batch_sizes) for p in args.policies]
     if len(set(names)) != len(names):
         raise UserError(f"policy names must be distinct, got {', '.join(names)}")
@@ -430,18 +442,31 @@ def cmd_sweep(args) -> int:
 
     from specbench.envinfo import environment
 
-    target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
+    if args.executor == "local":
+        target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
     if not settings_file.exists():
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{SWEEP_SETTINGS}.tmp"
         tmp.write_text(json.dumps(settings, indent=2) + "\n")
         os.replace(tmp, settings_file)
         fsync_dir(out)
-    result = run_sweep(
-        target, engines, workloads, records_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
-        repeats=args.repeats, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
-        env=environment(device), progress=not args.no_progress,
-    )
+    if args.executor == "ray":
+        from functools import partial
+
+        from specbench.loading import load_model
+
+        result = ray_executor.run_sweep_ray(
+            partial(load_model, args.target, device=device), f"{args.target}|{device}", [(p, {}) for p in args.policies],
+            workloads, records_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
+            repeats=args.repeats, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
+            env_fn=environment, address=args.ray_address, progress=not args.no_progress,
+        )
+    else:
+        result = run_sweep(
+            target, engines, workloads, records_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
+            repeats=args.repeats, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
+            env=environment(device), progress=not args.no_progress,
+        )
     print(f"specbench sweep: {result.written} new record(s), {result.skipped} already present -> {records_file}")
     print(sweep_summary(records_file))
     return 0
@@ -543,7 +568,7 @@ def main(argv=None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0)
         if not args.command:
-            raise UserError("choose a command: run, sweep, list, report, train, calibrate, profile, regress (see specbench --help)")
+            raise UserError("choose a command: run, sweep, list, report, simulate, train, calibrate, profile, regress (see specbench --help)")
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         return args.func(args)

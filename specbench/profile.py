@@ -5,6 +5,13 @@ performance doc quotes it.
 
 Timing: the median over `iters` forwards after `warmup` untimed ones, each bracketed by a device
 synchronize (CUDA work is asynchronous; reading the clock without it times the launch, not the work).
+
+`specbench profile` also measures two engine costs the simulator (specbench/simulate.py) needs and
+the bare forward grid leaves out: `prefill` (one forward over right-padded prompts from an empty
+cache, rows × prompt tokens) and `round` (one whole decode round of the core, the same (b, q)
+grid: verify forward + sampling + acceptance + commit + the loop's own Python). On the 2-core CPU a
+core round costs ~9% more than its forward (up to 15%), enough to matter when the simulator is held
+to 10% (docs/performance.md, "Simulation vs measurement").
 """
 from __future__ import annotations
 
@@ -15,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from specbench.core import forward_new_tokens, round_up, synchronize, KV_BUCKET
+from specbench.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
 from specbench.model import Transformer
+from specbench.policy import BatchState, Draft, Policy
 
 
 @torch.inference_mode()
@@ -98,6 +106,82 @@ def steps_per_second(profile_data: dict, batch: int) -> dict[int, float]:
     return table
 
 
+PREFILL_POINTS = ((1, 64), (1, 256), (4, 64), (4, 256))  # (rows, prompt tokens per row)
+
+
+def measure_prefill(model: Transformer, points=PREFILL_POINTS, iters: int = 3) -> list[dict]:
+    """Seconds of one prefill forward: `batch` rows of `tokens` prompt tokens from an empty cache."""
+    out = []
+    for b, p in points:
+        times = time_forward(model, b, p, context=0, iters=iters, warmup=1)
+        out.append({"batch": b, "tokens": p, "median_ms": 1e3 * statistics.median(times), "n": len(times)})
+    return out
+
+
+def prefill_time_model(entries: list[dict]):
+    """(rows, prompt tokens per row) → seconds: piecewise linear in the total rows·tokens the forward
+    carries (a 135M–8B prefill is matmul-bound; attention's quadratic part is small at these lengths),
+    extrapolated linearly past the measured ends."""
+    totals: dict[int, list[float]] = {}
+    for e in entries:
+        totals.setdefault(e["batch"] * e["tokens"], []).append(e["median_ms"] / 1e3)
+    points = sorted((t, statistics.fmean(v)) for t, v in totals.items())
+
+    def seconds(rows: int, tokens: int) -> float:
+        x = rows * tokens
+        if len(points) == 1:
+            return points[0][1] * x / points[0][0]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x <= x1:
+                break
+        return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+    return seconds
+
+
+class _TimedDrafts(Policy):
+    """Proposes `plan[i]` random drafts in round i (a real target accepts almost none of them) and
+    stamps the clock at every proposal: the gap between two proposals is one whole core round."""
+
+    name = "profile-rounds"
+
+    def __init__(self, plan: list[int], vocab: int, seed: int = 0):
+        self.plan, self.vocab = plan, vocab
+        self.max_draft = max(plan)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stamps: list[float] = []
+
+    def propose(self, state: BatchState) -> Draft:
+        self.stamps.append(time.perf_counter())
+        k = self.plan[len(self.stamps) - 1] if len(self.stamps) <= len(self.plan) else 0
+        b, device = state.batch_size, state.tokens.device
+        tokens = torch.randint(0, self.vocab, (b, k), generator=self.generator).to(device)
+        return Draft(tokens=tokens, probs=None, lengths=torch.full((b,), k, dtype=torch.long, device=device))
+
+
+def measure_rounds(model: Transformer, batches, qs, context: int, iters: int = 6, warmup: int = 2,
+                   progress=None) -> list[dict]:
+    """Seconds per decode round of the core (greedy) verifying q − 1 drafts per row, for each batch
+    size: one `generate` per batch size over random prompts of `context` tokens, the largest q first
+    (so a budget-clamped tail, if any, only touches q = 1, which it cannot shorten)."""
+    out = []
+    order = sorted(qs, reverse=True)
+    for b in batches:
+        plan = [q - 1 for q in order for _ in range(warmup + iters)]
+        policy = _TimedDrafts(plan, model.args.vocab_size)
+        g = torch.Generator().manual_seed(b)
+        prompts = torch.randint(0, model.args.vocab_size, (b, context), generator=g).tolist()
+        generate(model, policy, prompts, SamplingConfig(max_new_tokens=len(plan) + max(qs) + 2), eos_ids=())
+        gaps = [t1 - t0 for t0, t1 in zip(policy.stamps, policy.stamps[1:])]
+        for i, q in enumerate(order):
+            times = gaps[i * (warmup + iters) + warmup : (i + 1) * (warmup + iters)]
+            if times:
+                out.append({"batch": b, "q": q, "median_ms": 1e3 * statistics.median(times), "n": len(times)})
+        if progress is not None:
+            progress.update(len(order))
+    return out
+
+
 def save(profile_data: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,13 +209,19 @@ def device_name(device: torch.device) -> str:
     return (platform.processor() or platform.machine()) + f" x{torch.get_num_threads()} threads"
 
 
-def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROFILE_QS, iters: int = 5) -> dict:
-    """Measure the target's verify-forward cost grid on its device (tqdm progress)."""
+def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROFILE_QS, iters: int = 5,
+                    engine_costs: bool = False) -> dict:
+    """Measure the target's verify-forward cost grid on its device (tqdm progress); with
+    engine_costs also the prefill points and the whole-round grid (module docstring)."""
     from tqdm import tqdm
 
     device = target.model.device
-    with tqdm(total=len(batches) * len(qs), desc=f"profiling {target.name} on {device}", unit="point") as bar:
+    points = len(batches) * len(qs) * (2 if engine_costs else 1)
+    with tqdm(total=points, desc=f"profiling {target.name} on {device}", unit="point") as bar:
         data = profile(target.model, list(batches), list(qs), context, iters=iters, progress=bar)
+        if engine_costs:
+            data["round"] = measure_rounds(target.model, list(batches), list(qs), context, progress=bar)
+            data["prefill"] = measure_prefill(target.model)
     data.update(target=target.name, target_fingerprint=target.fingerprint, device=str(device),
                 device_name=device_name(device), torch=torch.__version__, dtype=str(target.model.lm_head.weight.dtype),
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -8,6 +8,9 @@ file or a directory of them), runs :mod:`specbench.stats`, and writes:
 2. per-user tokens/s against throughput across batch sizes (Pareto view);
 3. per-position acceptance curves (unconditional and conditional);
 4. τ (tokens per verify round) distributions per policy and batch size;
+5. when ``specbench simulate`` has written ``simulation.csv`` under the results directory (or in
+   ``simulation/`` beside a results file): the simulated per-user tokens/s against throughput
+   across concurrency (Pareto view) and the mean verify length against concurrency;
 
 plus the summary table (CIs, Holm-corrected significance), a "where speculation stops
 paying" table and the run environment. Figures are drawn on bare ``matplotlib.figure.Figure``
@@ -210,14 +213,18 @@ def fig_pareto(summary: pd.DataFrame, colors) -> Figure:
             for xi, yi, b in zip(x, y, dp["batch_size"]):
                 ax.annotate(f"b={b}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7, color=colors[pol])
         ax.set_title(_panel_title({"workload": wl, "temperature": t}), fontsize=10)
-        ax.set_xlabel("throughput, tokens/s (all users)", fontsize=8)
-        ax.set_ylabel("per-user tokens/s (median, 95% CI)", fontsize=8)
-        ax.grid(color="#eee")
-        ax.tick_params(labelsize=8)
-        ax.margins(x=0.12, y=0.12)
+        _style_axis(ax, "throughput, tokens/s (all users)", "per-user tokens/s (median, 95% CI)")
         ax.legend(fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
+
+
+def _style_axis(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.grid(color="#eee")
+    ax.tick_params(labelsize=8)
+    ax.margins(x=0.12, y=0.12)
 
 
 def fig_position(pos: pd.DataFrame, colors) -> Figure:
@@ -276,6 +283,60 @@ def fig_tau(df: pd.DataFrame, colors) -> Figure:
         ax.grid(axis="y", color="#eee")
         ax.tick_params(labelsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def load_simulation(results_path: Path) -> pd.DataFrame | None:
+    """The `specbench simulate` outputs that belong to these results, or None."""
+    from specbench.simulate import COLUMNS, OUT_FILE
+
+    results_path = Path(results_path)
+    files = (sorted(results_path.rglob(OUT_FILE)) if results_path.is_dir()
+             else [p for p in [results_path.parent / "simulation" / OUT_FILE] if p.is_file()])
+    frames = []
+    for f in files:
+        try:
+            d = pd.read_csv(f)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{f}: unreadable simulation results ({e})") from None
+        missing = [c for c in ("policy", "workload", "temperature", "mode", "concurrency", "per_user_tok_s",
+                               "throughput_tok_s", "mean_verify_len") if c not in d.columns]
+        if missing or not set(d.columns) <= set(COLUMNS):
+            raise UserError(f"{f}: not a simulation.csv from `specbench simulate` (missing {', '.join(missing) or 'nothing'})")
+        frames.append(d)
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def fig_simulation(sim: pd.DataFrame, colors) -> Figure:
+    """Per (workload, temperature, mode): left, per-user tokens/s vs throughput with one point per
+    concurrency; right, the mean verify length vs concurrency."""
+    panels = list(sim.groupby(["workload", "temperature", "mode"], sort=True))
+    fig = Figure(figsize=(11.2, 3.8 * len(panels) + 0.5), dpi=_DPI)
+    axes = fig.subplots(len(panels), 2, squeeze=False)
+    fig.suptitle("Simulated load (replayed traces × cost profile)", fontsize=12, fontweight="bold")
+    pols = _policy_order(sim["policy"])
+    for (left, right), ((wl, t, mode), d) in zip(axes, panels):
+        for k, pol in enumerate(pols):
+            dp = d[d["policy"] == pol].sort_values("concurrency")
+            if dp.empty:
+                continue
+            style = dict(color=colors[pol], marker=_MARKERS[k % len(_MARKERS)], ms=5, lw=1.5, label=pol)
+            left.plot(dp["throughput_tok_s"], dp["per_user_tok_s"], **style)
+            for x, y, c in zip(dp["throughput_tok_s"], dp["per_user_tok_s"], dp["concurrency"]):
+                left.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=colors[pol])
+            right.plot(dp["concurrency"], dp["mean_verify_len"], **style)
+        title = _panel_title({"workload": wl, "temperature": t}) + f", {mode} batching"
+        left.set_title(title, fontsize=10)
+        left.set_yscale("log")
+        _style_axis(left, "throughput, tokens/s (all users)", "per-user tokens/s (median)")
+        left.legend(fontsize=8, frameon=False)
+        right.set_title(title, fontsize=10)
+        right.set_xscale("log", base=2)
+        right.set_xticks(sorted(d["concurrency"].unique()))
+        right.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        right.xaxis.set_minor_formatter(NullFormatter())
+        _style_axis(right, "concurrency (requests in flight)", "mean verify length ℓ (drafts per round)")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     return fig
 
 
@@ -520,6 +581,12 @@ def write_report(
         ("τ distributions", "Tokens emitted per verify round (accepted drafts + bonus token), one value per request.",
          fig_tau(df, colors)),
     ]
+    sim = load_simulation(results_path)
+    if sim is not None:
+        figs.append(("Simulated load", "`specbench simulate`: the recorded per-round traces replayed against a cost "
+                     "profile (specbench/simulate.py), one point per concurrency c; DSpark re-schedules on the replayed "
+                     "confidences. Estimates, not measurements; see simulation.json beside the csv for the profile.",
+                     fig_simulation(sim, _colors(pd.concat([df["policy"], sim["policy"]])))))
     table = summary_table(summary)
     table_cat = summary_table(summary_cat, with_category=True) if summary_cat is not None else None
     be = breakeven_table(summary)
@@ -586,4 +653,5 @@ def _wrap(text: str, width: int) -> list[str]:
     return textwrap.wrap(text, width)
 
 
-__all__ = ["write_report", "summary_table", "breakeven_table", "fig_speedup", "fig_pareto", "fig_position", "fig_tau"]
+__all__ = ["write_report", "summary_table", "breakeven_table", "fig_speedup", "fig_pareto", "fig_position", "fig_tau",
+           "fig_simulation", "load_simulation"]
