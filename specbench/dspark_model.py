@@ -64,8 +64,14 @@ class DSparkArgs:
     block_size: γ, the number of slots and of drafts per block. 7 = the paper's offline setting
         (Table 1 "block7", decay constant 4 in §5.3 is tuned for it).
     tap_layers: target layers whose raw outputs feed `fc` (m = len(tap_layers)).
-    markov_rank: r of W1 (V×r) and W2 (r×V); 0 = no sequential head (DFlash).
+    markov_rank: r of W1 (V×r) and W2 (r×V_d); 0 = no sequential head (DFlash).
     confidence_head / confidence_with_markov: §3.1; the Markov flag needs markov_rank > 0.
+    draft_vocab: V_d > 0 drafts only from the V_d token ids in the `vocab_ids` buffer (the most
+        frequent response tokens of the training data, set by the trainer), like EAGLE-3's reduced
+        draft vocabulary; 0 = the target's whole vocabulary (the paper). Why: with a 135M target
+        and a 49k vocabulary, γ slots through the full lm_head cost more than a target decode step
+        on a CPU; V_d = 8192 cuts that six-fold. Drafts outside the subset are never proposed,
+        which only lowers acceptance; verification stays exact (probs are full-vocabulary).
     """
 
     model_args: ModelArgs
@@ -74,6 +80,7 @@ class DSparkArgs:
     markov_rank: int = 64
     confidence_head: bool = True
     confidence_with_markov: bool = True
+    draft_vocab: int = 0
 
     def __post_init__(self):
         if isinstance(self.model_args, dict):
@@ -85,6 +92,8 @@ class DSparkArgs:
             raise ValueError("at least one target tap layer is needed")
         if self.markov_rank == 0:
             self.confidence_with_markov = False
+        if not 0 <= self.draft_vocab <= self.model_args.vocab_size:
+            raise ValueError(f"draft_vocab must be in [0, {self.model_args.vocab_size}], got {self.draft_vocab}")
 
     @property
     def kind(self) -> str:
@@ -92,7 +101,7 @@ class DSparkArgs:
 
     @classmethod
     def for_target(cls, target_args: ModelArgs, tap_layers: list[int], variant: str = "dspark", n_layers: int = 2,
-                   block_size: int = 7, markov_rank: int = 64) -> "DSparkArgs":
+                   block_size: int = 7, markov_rank: int = 64, draft_vocab: int = 0) -> "DSparkArgs":
         """Defaults sized for a small target (issue 4: fewer layers and a smaller rank than the
         paper's 5 / 256): 2 draft layers, γ = 7, r = 64. variant "dflash" drops both heads.
         tap_layers: the training data's (specbench.train.data.default_tap_layers: 1 … L−3)."""
@@ -103,7 +112,7 @@ class DSparkArgs:
         dspark = variant == "dspark"
         return cls(model_args=args, tap_layers=taps, block_size=block_size,
                    markov_rank=markov_rank if dspark else 0, confidence_head=dspark,
-                   confidence_with_markov=dspark and markov_rank > 0)
+                   confidence_with_markov=dspark and markov_rank > 0, draft_vocab=draft_vocab)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -189,10 +198,16 @@ class DSparkDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(d, a.norm_eps)
         self.markov_w1 = nn.Embedding(a.vocab_size, r) if r > 0 else None
-        self.markov_w2 = nn.Linear(r, a.vocab_size, bias=False) if r > 0 else None
+        self.markov_w2 = nn.Linear(r, args.draft_vocab or a.vocab_size, bias=False) if r > 0 else None
         conf_in = d + (r if args.confidence_with_markov else 0)
         self.confidence_head = nn.Linear(conf_in, 1) if args.confidence_head else None
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
+        # Reduced draft vocabulary: draft index j ↔ token id vocab_ids[j] (saved with the weights).
+        if args.draft_vocab:
+            self.register_buffer("vocab_ids", torch.arange(args.draft_vocab, dtype=torch.long))
+        else:
+            self.vocab_ids = None
+        self._draft_head: tuple | None = None  # (cache key, lm_head rows of vocab_ids)
         self.set_frozen(embed_weight, lm_head_weight)
         # Inference state (setup_cache): per layer context K/V [max_batch, nkv, max_ctx + 1, hd]
         # (the extra slot is a write-only sink for padding entries), and per-row context lengths.
@@ -207,6 +222,7 @@ class DSparkDrafter(nn.Module):
     def set_frozen(self, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
         # A tuple hides them from nn.Module registration (state_dict, parameters(), .to()).
         self._frozen = (embed_weight, lm_head_weight)
+        self._draft_head = None
 
     @property
     def embed_weight(self) -> Tensor:
@@ -268,15 +284,58 @@ class DSparkDrafter(nn.Module):
             return None
         return self.markov_w2(self.markov_w1(prev_tokens))
 
-    def base_logits(self, h: Tensor) -> Tensor:
-        """U_k = lm_head(h_k) with the target's frozen head (under autocast F.linear casts it)."""
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.args.draft_vocab or self.args.model_args.vocab_size
+
+    def draft_head_weight(self) -> Tensor:
+        """The frozen lm_head rows the drafter scores: all of them, or those of `vocab_ids`
+        (gathered once and cached; rebuilt when the head or the subset tensor changes)."""
         w = self.lm_head_weight
+        if self.vocab_ids is None:
+            return w
+        key = (w.data_ptr(), w.dtype, w.device, self.vocab_ids.data_ptr(), int(self.vocab_ids[0]), int(self.vocab_ids[-1]))
+        if self._draft_head is None or self._draft_head[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in training too
+                rows = w.index_select(0, self.vocab_ids.to(w.device))
+            self._draft_head = (key, rows)
+        return self._draft_head[1]
+
+    def set_draft_vocab(self, token_ids: Tensor) -> None:
+        """The trainer's choice of the V_d draft tokens (e.g. the most frequent response tokens)."""
+        if self.vocab_ids is None or token_ids.numel() != self.vocab_ids.numel():
+            raise ValueError(f"this drafter drafts from {self.draft_vocab_size} tokens, got {token_ids.numel()}")
+        self.vocab_ids.copy_(token_ids.to(self.vocab_ids))
+        self._draft_head = None
+
+    def _linear(self, h: Tensor, w: Tensor) -> Tensor:
         if w.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
             w = w.to(h.dtype)
         return F.linear(h, w)
 
+    def base_logits(self, h: Tensor) -> Tensor:
+        """U_k over the draft vocabulary (index j = token vocab_ids[j], or all tokens) with the
+        target's frozen head (under autocast F.linear casts it)."""
+        return self._linear(h, self.draft_head_weight())
+
+    def target_logits(self, h: Tensor) -> Tensor:
+        """The target's own logits from its final normed hidden state (whole vocabulary)."""
+        return self._linear(h, self.lm_head_weight)
+
+    def to_token_ids(self, draft_index: Tensor) -> Tensor:
+        return draft_index if self.vocab_ids is None else self.vocab_ids[draft_index]
+
+    def token_to_draft_index(self, token_ids: Tensor) -> Tensor:
+        """Draft-vocabulary index of each token id, −1 where the token is outside it."""
+        if self.vocab_ids is None:
+            return token_ids
+        lookup = torch.full((self.args.model_args.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        lookup[self.vocab_ids.to(token_ids.device)] = torch.arange(len(self.vocab_ids), device=token_ids.device)
+        return lookup[token_ids]
+
     def block_logits(self, h: Tensor, prev_tokens: Tensor) -> Tensor:
-        """Bias-corrected logits U_k + B_k (Eq. 4). h [..., d]; prev_tokens [...] = x_{k−1}."""
+        """Bias-corrected logits U_k + B_k (Eq. 4) over the draft vocabulary. h [..., d];
+        prev_tokens [...] = x_{k−1} (token ids)."""
         logits = self.base_logits(h)
         bias = self.markov_bias(prev_tokens)
         return logits if bias is None else logits + bias.to(logits.dtype)
@@ -402,9 +461,10 @@ class DSparkDrafter(nn.Module):
 
         anchor_tokens [b]; anchor_positions [b] (None = each row's context length, the normal
         case). Returns (tokens [b, γ], probs [b, γ, V] float32 — the exact processed distribution
-        each token was drawn from, Markov bias for the realised prefix included —, confidence
-        logits [b, γ] or None for DFlash), plus the bias-corrected logits [b, γ, V] if
-        return_logits. temperature 0 = greedy (one-hot probs)."""
+        each token was drawn from, Markov bias for the realised prefix included, over the target's
+        whole vocabulary (zero outside a reduced draft vocabulary) —, confidence logits [b, γ] or
+        None for DFlash), plus the bias-corrected logits [b, γ, V_d] if return_logits.
+        temperature 0 = greedy (one-hot probs)."""
         h = self.block_hidden(anchor_tokens, anchor_positions)  # [b, γ, d]
         base = self.base_logits(h)  # U_k, all slots in parallel
         prev = anchor_tokens
@@ -413,14 +473,19 @@ class DSparkDrafter(nn.Module):
             bias = self.markov_bias(prev)
             logits = base[:, k] if bias is None else base[:, k] + bias.to(base.dtype)
             p = probs_from_logits(logits, temperature, top_p)
-            x = sample(p, generator)
+            x = self.to_token_ids(sample(p, generator))
             prevs.append(prev)
             tokens.append(x)
             probs.append(p)
             logits_out.append(logits)
             prev = x
         prev_tokens = torch.stack(prevs, dim=1)  # [anchor, x_1..x_{γ−1}]
-        out = (torch.stack(tokens, dim=1), torch.stack(probs, dim=1), self.confidence_logits(h, prev_tokens))
+        probs = torch.stack(probs, dim=1)
+        if self.vocab_ids is not None:  # the verifier compares against the target's whole vocabulary
+            b, g, _ = probs.shape
+            full = torch.zeros(b, g, self.args.model_args.vocab_size, dtype=probs.dtype, device=probs.device)
+            probs = full.scatter_(2, self.vocab_ids.to(probs.device).expand(b, g, -1), probs)
+        out = (torch.stack(tokens, dim=1), probs, self.confidence_logits(h, prev_tokens))
         return out + (torch.stack(logits_out, dim=1),) if return_logits else out
 
 
@@ -460,7 +525,8 @@ def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDra
     with torch.device("meta"):
         drafter = DSparkDrafter(args, base.model.embed_tokens.weight, base.lm_head.weight)
     try:
-        drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
+        drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                                assign=True, strict=True)
     except RuntimeError as e:
         raise UserError(f"drafter {spec}: weights do not match its config: {str(e).splitlines()[0]}") from None
     drafter.inv_freq = rope_inv_freq(args.model_args).to(base.device)  # meta-initialised buffer

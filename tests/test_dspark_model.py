@@ -203,3 +203,36 @@ def test_frozen_target_tensors_are_shared_not_owned():
     assert not any(t.data_ptr() in ptrs for t in state.values())
     assert not any(p.data_ptr() in ptrs for p in drafter.parameters())
     assert "mask_embedding" in state and not any("embed_tokens" in k or "lm_head" in k for k in state)
+
+
+def test_reduced_draft_vocabulary():
+    """draft_vocab = V_d: tokens come from vocab_ids only; probs are full-vocabulary distributions,
+    zero outside the subset and equal to the processed V_d-way distribution inside it; the
+    Markov bias is indexed by (full) token ids; training-time logits match the inference path."""
+    V, Vd = 12, 5
+    target = tiny_model(vocab=V, dim=16, layers=3, scale=2.0)
+    args = DSparkArgs.for_target(target.args, tap_layers=TAPS, n_layers=1, block_size=3, markov_rank=4, draft_vocab=Vd)
+    drafter = build_drafter(args, target)
+    drafter.init_weights(torch.Generator().manual_seed(0))
+    subset = torch.tensor([11, 3, 7, 0, 9])
+    drafter.set_draft_vocab(subset)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    assert drafter.markov_w2.weight.shape == (Vd, 4) and drafter.markov_w1.weight.shape == (V, 4)
+    torch.testing.assert_close(drafter.draft_head_weight(), target.lm_head.weight[subset])
+    ids, feats = sequence(target, T=10)
+    b = 64
+    drafter.setup_cache(b, 16)
+    drafter.append_context(feats[:, :7].expand(b, -1, -1))
+    tokens, probs, conf, logits = drafter.draft_block(ids[0, 7].expand(b), None, 1.0, 1.0, make_generator(0, "cpu"),
+                                                      return_logits=True)
+    assert set(tokens.flatten().tolist()) <= set(subset.tolist())
+    assert probs.shape == (b, 3, V)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[subset] = False
+    assert float(probs[:, :, outside].abs().max()) == 0.0
+    torch.testing.assert_close(probs[:, :, subset], probs_from_logits(logits, 1.0, 1.0))
+    assert drafter.token_to_draft_index(torch.tensor([7, 8])).tolist() == [2, -1]
+    greedy, onehot, _ = drafter.draft_block(ids[0, 7].expand(2), None, 0.0)
+    assert torch.equal(onehot.argmax(-1), greedy)

@@ -20,9 +20,9 @@ VOCAB = 64
 TAPS = [0, 1]
 
 
-def make_drafter(target, seed=0, block_size=4, variant="dspark", std=0.2):
+def make_drafter(target, seed=0, block_size=4, variant="dspark", std=0.2, draft_vocab=0):
     args = DSparkArgs.for_target(target.args, tap_layers=TAPS, variant=variant, n_layers=1,
-                                 block_size=block_size, markov_rank=8)
+                                 block_size=block_size, markov_rank=8, draft_vocab=draft_vocab)
     drafter = build_drafter(args, target)
     drafter.init_weights(torch.Generator().manual_seed(seed))
     with torch.no_grad():  # livelier than the default 0.02 init: confidences spread over (0, 1)
@@ -83,7 +83,18 @@ def small():
 
 @pytest.mark.parametrize("group_size", [1, 4])
 def test_whole_policy_sampling_matches_target(small, group_size):
-    target, drafter = small
+    _whole_policy_chi_square(*small, group_size)
+
+
+def test_reduced_draft_vocabulary_sampling_matches_target(small):
+    """A drafter that can propose only 3 of the 5 tokens: still the target's distribution."""
+    target, _ = small
+    drafter = make_drafter(target, seed=1, block_size=3, std=0.3, draft_vocab=3)
+    drafter.set_draft_vocab(torch.tensor([4, 0, 2]))
+    _whole_policy_chi_square(target, drafter, 4)
+
+
+def _whole_policy_chi_square(target, drafter, group_size):
     prompt = [1, 3, 2]
     exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
     pol = DSpark(drafter, scheduler="algorithm1", step_seconds=lambda rows, q: 0.01 + 0.0001 * rows * q,

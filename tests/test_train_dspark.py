@@ -224,3 +224,28 @@ def test_same_seed_bit_identical_and_resume(target, data, tmp_path):
     wr = _weights(tmp_path / "r")
     assert done.steps == 12 and all(torch.equal(wa[k], wr[k]) for k in wa)
     assert [h["loss"] for h in done.history] == [h["loss"] for h in a.history]
+
+
+def test_reduced_draft_vocabulary_trains_saves_and_loads(target, data, tmp_path):
+    """budget draft_vocab = V_d: the subset is the training split's most frequent response tokens,
+    stored with the weights (int64, not cast to bf16), restored on load; the loss is finite and
+    falls; the loaded drafter drafts from the subset only."""
+    from specbench.train.eagle import vocab_rank
+
+    V = target.model.args.vocab_size
+    Vd = V // 4
+    result = train(target, data, tmp_path / "d", budget=budget(steps=30, draft_vocab=Vd), seed=0, policy="dspark",
+                   progress=False)
+    losses = [h["loss"] for h in result.history]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    weights = _weights(tmp_path / "d")
+    train_idx, _ = data.split(get_budget("tiny")["val_fraction"], 0)
+    assert weights["vocab_ids"].dtype == torch.int64
+    assert torch.equal(weights["vocab_ids"], vocab_rank(data, train_idx, V)[:Vd].long())
+    drafter = load_dspark_drafter(str(tmp_path / "d"), target)
+    assert torch.equal(drafter.vocab_ids, weights["vocab_ids"])
+    drafter.setup_cache(4, 64)
+    feats = torch.randn(4, 5, len(TAPS) * target.model.args.dim)
+    drafter.append_context(feats)
+    tokens, probs, _ = drafter.draft_block(torch.tensor([1, 2, 3, 4]), None, 1.0)
+    assert set(tokens.flatten().tolist()) <= set(weights["vocab_ids"].tolist())

@@ -56,11 +56,11 @@ BUDGETS: dict[str, dict] = {
                  batch_size=4, lr=3e-3, ckpt_every=20, eval_every=20, val_fraction=0.125, lm_layers=1),
     "small": dict(n_prompts=512, max_new_tokens=160, gen_batch_size=32, magpie_fraction=0.4, steps=240,
                   batch_size=8, lr=6e-4, ckpt_every=40, eval_every=40, val_fraction=0.05, lm_layers=2,
-                  anchors=24, markov_rank=32, positions=32),
+                  anchors=24, markov_rank=32, positions=32, draft_vocab=8192),
     # "quick": a functioning drafter in ~20 min of a shared 2-core CPU (far from converged).
     "quick": dict(n_prompts=512, max_new_tokens=160, gen_batch_size=32, magpie_fraction=0.4, steps=80,
                   batch_size=8, lr=1e-3, ckpt_every=20, eval_every=40, val_fraction=0.05, lm_layers=2,
-                  anchors=16, markov_rank=32, positions=24),
+                  anchors=16, markov_rank=32, positions=24, draft_vocab=8192),
     "full": dict(n_prompts=4096, max_new_tokens=256, gen_batch_size=128, magpie_fraction=0.4, steps=3000,
                  batch_size=32, lr=6e-4, ckpt_every=500, eval_every=250, val_fraction=0.03, lm_layers=2),
 }

@@ -24,7 +24,9 @@ used frozen and never saved. Output: a "dspark" / "dflash" checkpoint (`save_dra
 `load_dspark_drafter(path, target)`.
 
 Budget keys read here (defaults in brackets): draft_layers [2], block_size [7], markov_rank [64],
-anchors per sequence [32], val_fraction [0.05], plus the loop's steps / batch_size / lr / ... .
+anchors per sequence [32], val_fraction [0.05], draft_vocab [0 = all; V_d > 0 = the V_d most
+frequent response tokens of the training split, see DSparkArgs], plus the loop's steps /
+batch_size / lr / ... .
 """
 from __future__ import annotations
 
@@ -38,12 +40,13 @@ from torch import Tensor
 
 from specbench.dspark_model import KINDS, DSparkArgs, DSparkDrafter, build_drafter, load_dspark_drafter
 from specbench.train.common import CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training, save_drafter
+from specbench.train.eagle import vocab_rank
 
 __all__ = ["train", "load_dspark_drafter", "sample_anchors", "make_blocks", "block_loss"]
 
 LOSS_WEIGHTS = {"dspark": {"ce": 0.1, "l1": 0.9, "conf": 1.0}, "dflash": {"ce": 1.0, "l1": 0.0, "conf": 0.0}}
 DECAY = 4.0  # w_k = exp(−k / DECAY), DeepSpec's loss_decay_gamma (§5.3, §9 item 1)
-DEFAULTS = {"draft_layers": 2, "block_size": 7, "markov_rank": 64, "anchors": 32, "val_fraction": 0.05}
+DEFAULTS = {"draft_layers": 2, "block_size": 7, "markov_rank": 64, "anchors": 32, "val_fraction": 0.05, "draft_vocab": 0}
 FIELDS = ("input_ids", "loss_mask", "taps", "last_hidden")
 
 
@@ -112,17 +115,27 @@ def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor
     lab, w, k_idx = labels[sup], w_all[sup], slot.expand(B, N, g)[sup]
     wsum = w.sum().clamp_min(1e-8)
     logp = F.log_softmax(logits.float(), dim=-1)
-    ce = -logp.gather(1, lab[:, None]).squeeze(1)
-    loss = weights["ce"] * (w * ce).sum() / wsum
-    metrics = {"ce": (w * ce).sum() / wsum}
+    # CE on the label's draft-vocabulary index; a label outside a reduced draft vocabulary cannot
+    # be drafted and carries no CE (its mass still counts in the L1 term below).
+    lab_idx = drafter.token_to_draft_index(lab)
+    in_vocab = (lab_idx >= 0).float()
+    ce = -logp.gather(1, lab_idx.clamp_min(0)[:, None]).squeeze(1) * in_vocab
+    w_ce = w * in_vocab
+    wce_sum = w_ce.sum().clamp_min(1e-8)
+    loss = weights["ce"] * ce.mul(w).sum() / wce_sum
+    metrics = {"ce": ce.mul(w).sum() / wce_sum}
     need_target = weights["l1"] > 0 or weights["conf"] > 0 or with_stats
     if need_target:
         d = last.shape[-1]
         th = last.gather(1, pos.view(B, N * g)[:, :, None].expand(B, N * g, d)).view(B, N, g, d)[sup]
         with torch.no_grad(), autocast:
-            t_logits = drafter.base_logits(th.to(drafter.dtype))
+            t_logits = drafter.target_logits(th.to(drafter.dtype))
         p_t = torch.softmax(t_logits.float(), dim=-1)
-        l1 = (logp.exp() - p_t).abs().sum(-1)  # ‖p_d − p_t‖₁ = 2·TV; gradients reach the draft only
+        if drafter.vocab_ids is None:
+            l1 = (logp.exp() - p_t).abs().sum(-1)  # ‖p_d − p_t‖₁ = 2·TV; gradients reach the draft only
+        else:  # p_d is 0 outside the draft vocabulary: that part of ‖p_d − p_t‖₁ is p_t's mass there
+            p_t_in = p_t[:, drafter.vocab_ids]
+            l1 = (logp.exp() - p_t_in).abs().sum(-1) + (1 - p_t_in.sum(-1)).clamp_min(0)
         accept = (1 - 0.5 * l1).clamp(0, 1).detach()  # c*_k: analytic acceptance probability at T = 1
         if weights["l1"] > 0:
             l1_loss = (w * l1).sum() / wsum
@@ -135,13 +148,13 @@ def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor
             metrics["conf"] = conf_loss
         metrics["accept_t1"] = (w * accept).sum() / wsum
         if with_stats:
-            agree = (logp.argmax(-1) == t_logits.float().argmax(-1)).float()
+            agree = (drafter.to_token_ids(logp.argmax(-1)) == t_logits.float().argmax(-1)).float()
             for name, val in (("t1", accept), ("t0", agree)):
                 sums = torch.zeros(g, device=device).index_add_(0, k_idx, val.float())
                 counts = torch.zeros(g, device=device).index_add_(0, k_idx, torch.ones_like(val, dtype=torch.float32))
                 metrics[f"_pos_sum_{name}"] = sums
                 metrics[f"_pos_count_{name}"] = counts
-    metrics["top1_label"] = (w * (logp.argmax(-1) == lab).float()).sum() / wsum
+    metrics["top1_label"] = (w * (drafter.to_token_ids(logp.argmax(-1)) == lab).float()).sum() / wsum
     metrics = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in metrics.items()}
     metrics["slots"] = float(sup.sum())
     return loss, metrics
@@ -204,12 +217,14 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     device = target.model.device
     args = DSparkArgs.for_target(target.model.args, tap_layers=data.tap_layers, variant=variant,
                                  n_layers=int(opts["draft_layers"]), block_size=int(opts["block_size"]),
-                                 markov_rank=int(opts["markov_rank"]))
+                                 markov_rank=int(opts["markov_rank"]), draft_vocab=int(opts["draft_vocab"]))
     torch.manual_seed(seed)
     drafter = build_drafter(args, target.model, dtype=torch.float32)  # fp32 master weights
     drafter.init_weights(torch.Generator().manual_seed(seed))
     n_anchors = int(opts["anchors"])
     train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
+    if args.draft_vocab:  # the most frequent response tokens of the training split (EAGLE-3's choice)
+        drafter.set_draft_vocab(vocab_rank(data, train_idx, args.model_args.vocab_size)[: args.draft_vocab])
     cfg = LoopConfig.from_budget(budget, seed)
 
     def loss_fn(indices, generator):
@@ -236,7 +251,8 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     extra = {
         "architecture": (f"{args.model_args.n_layers} draft layers (target width), block γ = {args.block_size}, "
                          f"taps {args.tap_layers}, Markov rank {args.markov_rank}, "
-                         f"confidence head {'on' if args.confidence_head else 'off'}, learned mask embedding"),
+                         f"confidence head {'on' if args.confidence_head else 'off'}, learned mask embedding, "
+                         f"draft vocabulary {args.draft_vocab or 'all'} tokens"),
         "loss": f"{loss_text}, position weights exp(−k/{DECAY:g}), {n_anchors} anchors / sequence",
     }
     if val_idx and last:
