@@ -266,15 +266,29 @@ def draft_time_model(entries: list[dict]):
     return seconds
 
 
+def drafter_digest(drafter_name: str | None) -> str:
+    """A short hash of a drafter checkpoint's drafter.json (architecture, training summary), so a
+    retrained or reshaped drafter under the same path is measured again rather than looked up."""
+    import hashlib
+
+    from specbench.drafters import CONFIG_NAME, resolve_checkpoint
+
+    try:
+        text = (resolve_checkpoint(drafter_name) / CONFIG_NAME).read_bytes()
+    except Exception:  # not a checkpoint directory (e.g. "self"): the name alone identifies it
+        return "-"
+    return hashlib.sha256(text).hexdigest()[:12]
+
+
 def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter_name: str | None = None) -> dict:
     """Like `load_or_measure_target`, plus the cost of one drafting round of `drafter` per batch size
-    (cached under the drafter's name): the scheduler's step time is draft + verify."""
+    (cached under the drafter's name and checkpoint digest): the scheduler's step time is draft + verify."""
     data = load_or_measure_target(target, cache_dir)
     if drafter is None:
         return data
     from specbench.loading import default_cache_dir
 
-    key = f"{drafter_name}|{device_name(target.model.device)}"
+    key = f"{drafter_name}@{drafter_digest(drafter_name)}|{device_name(target.model.device)}"
     cache = (cache_dir or default_cache_dir()) / "profiles" / "drafters.json"
     known = {}
     for path in (REPO_PROFILES / "drafters.json", cache):

@@ -167,6 +167,12 @@ def load_costs(profile_path: str | Path) -> Costs:
             continue
         for key, entries in known.items() if isinstance(known, dict) else ():
             name, _, dev = key.rpartition("|")
+            # keys are "path@digest|device" (profile.drafter_digest); skip costs of an older
+            # checkpoint at the same path when the current one is here to compare with
+            name, _, digest = name.partition("@")
+            current = profiles.drafter_digest(name) if digest else "-"
+            if digest and current != "-" and digest != current:
+                continue
             if dev == device and isinstance(entries, list) and entries:
                 drafters[name] = profiles.draft_time_model(entries)
     if data.get("draft"):  # a profile from load_or_measure carries its drafter's cost
