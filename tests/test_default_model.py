@@ -1,7 +1,9 @@
 """The embedded default target with real prompts (HumanEval and MT-Bench through the chat
 template): every chain policy is token-identical to AR under greedy decoding at batch sizes 1
-and 4 (16 is covered by the slow CLI test)."""
+and 4 (16 is covered by the slow CLI test); the shipped drafters at 1, 4 and 16."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +42,31 @@ def test_greedy_identity_default_model(default_model, real_prompts, ar_reference
                         default_model.eos_token_ids).requests
     assert [r.output_ids for r in out] == ar_reference
     assert sum(r.drafted for r in out) > 0
+
+
+PROFILE = str(Path(__file__).resolve().parent.parent / "results" / "profiles" / "smollm2-135m-amd-epyc-x2-threads.json")
+SHIPPED = [  # every policy over a drafter shipped in drafters/smollm2-135m/
+    ("fixed-k", {}),
+    ("eagle-chain", {}),
+    ("eagle-t16", {}),
+    ("dflash", {}),
+    ("dspark-fixed", {}),
+    ("dspark", {"profile": PROFILE}),  # Algorithm 1 + the draft gate, on the committed CPU profile
+]
+
+
+@pytest.mark.parametrize("policy,params", SHIPPED, ids=[p for p, _ in SHIPPED])
+def test_shipped_drafters_greedy_identity(default_model, real_prompts, ar_reference, policy, params):
+    """The shipped drafters on real prompts at batch sizes 1, 4 and 16 (the 4 prompts repeated
+    four times fill the batch of 16): token-identical to AR."""
+    config = SamplingConfig(max_new_tokens=32)
+    pol = build_policy(policy, default_model, params)
+    for batch_size in (1, 4, 16):
+        prompts = real_prompts * (4 if batch_size == 16 else 1)
+        out = []
+        for i in range(0, len(prompts), batch_size):
+            out += generate(default_model.model, pol, prompts[i : i + batch_size], config,
+                            default_model.eos_token_ids).requests
+        assert [r.output_ids for r in out] == ar_reference * (4 if batch_size == 16 else 1), batch_size
+        if policy != "dspark":  # the gate may (rightly) skip drafting this weak drafter on a CPU profile
+            assert sum(r.drafted for r in out) > 0
