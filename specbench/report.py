@@ -159,7 +159,7 @@ def _dot_panels(summary: pd.DataFrame, xcol: str, panel_cols: list[str], title: 
                     continue
                 xpos = i - width / 2 + step * (j + 0.5)
                 if np.isfinite(lo) and np.isfinite(hi):
-                    ax.errorbar(xpos, gm, yerr=[[gm - lo], [hi - gm]], color=colors[pol], capsize=3, lw=1.3, zorder=2)
+                    ax.errorbar(xpos, gm, yerr=[[max(gm - lo, 0)], [max(hi - gm, 0)]], color=colors[pol], capsize=3, lw=1.3, zorder=2)
                     allv += [lo, hi]
                 sig = bool(r["significant"])
                 ax.plot(xpos, gm, marker="o", ms=6, color=colors[pol], mfc=colors[pol] if sig else "white", mew=1.5, zorder=3)
@@ -208,7 +208,9 @@ def fig_pareto(summary: pd.DataFrame, colors) -> Figure:
                 continue
             x, y = dp["throughput"].to_numpy(float), dp["tps_median"].to_numpy(float)
             lo, hi = dp["tps_ci_low"].to_numpy(float), dp["tps_ci_high"].to_numpy(float)
-            yerr = np.vstack([np.where(np.isfinite(lo), y - lo, 0), np.where(np.isfinite(hi), hi - y, 0)])
+            # A BCa interval need not contain the point estimate (skewed or tied samples, small n):
+            # draw the part of the bar that lies on each side, never a negative length.
+            yerr = np.vstack([np.where(np.isfinite(lo), y - lo, 0), np.where(np.isfinite(hi), hi - y, 0)]).clip(min=0)
             ax.errorbar(x, y, yerr=yerr, color=colors[pol], marker=_MARKERS[k % len(_MARKERS)], ms=5, lw=1.5, capsize=2, label=pol)
             for xi, yi, b in zip(x, y, dp["batch_size"]):
                 ax.annotate(f"b={b}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7, color=colors[pol])

@@ -175,3 +175,20 @@ def test_ar_only_and_single_prompt_results_still_render(tmp_path):
     write_records(tmp_path / "one.jsonl", recs)
     report.write_report(tmp_path / "one.jsonl", tmp_path / "one.html", tmp_path / "one.pdf", n_resamples=200)
     assert "n&lt;2: no CI" in (tmp_path / "one.html").read_text()
+
+
+def test_pareto_survives_an_interval_that_excludes_its_point():
+    """BCa intervals can exclude the point estimate (the load-cpu sweep's b = 16 median did): the
+    figure draws, it does not raise on a negative error-bar length."""
+    import pandas as pd
+
+    from specbench.report import _colors, fig_pareto
+
+    summary = pd.DataFrame([
+        {"workload": "code", "temperature": 0.0, "policy": "ar", "batch_size": 16, "throughput": 78.1,
+         "tps_median": 11.1, "tps_ci_low": 11.2, "tps_ci_high": 11.5},
+        {"workload": "code", "temperature": 0.0, "policy": "dspark", "batch_size": 16, "throughput": 77.2,
+         "tps_median": 10.3, "tps_ci_low": 9.0, "tps_ci_high": 10.1},
+    ])
+    fig = fig_pareto(summary, _colors(summary["policy"]))
+    assert fig.axes
