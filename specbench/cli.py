@@ -35,44 +35,27 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(message)
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
-    return v
+def checked_type(convert, valid, expected: str, must: str):
+    """An argparse `type`: convert (ValueError → "expected …"), then check (False → "must …");
+    both become argparse's one-line usage error. Shared by every command's numeric options."""
+
+    def parse(s: str):
+        try:
+            v = convert(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
+        if not valid(v):
+            raise argparse.ArgumentTypeError(f"{must}, got {s!r}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {s!r}")
-    return v
-
-
-def _temperature(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {s!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"temperature must be a finite number ≥ 0, got {s!r}")
-    return v
-
-
-def _top_p(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1], got {s!r}")
-    return v
+_positive_int = checked_type(int, lambda v: v > 0, "a positive integer", "must be a positive integer")
+_nonneg_int = checked_type(int, lambda v: v >= 0, "an integer ≥ 0", "must be ≥ 0")
+_temperature = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0",
+                            "temperature must be a finite number ≥ 0")
+_top_p = checked_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]", "top-p must be in (0, 1]")
 
 
 def _list_of(item_type, what: str):

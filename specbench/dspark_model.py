@@ -294,7 +294,10 @@ class DSparkDrafter(nn.Module):
         w = self.lm_head_weight
         if self.vocab_ids is None:
             return w
-        key = (w.data_ptr(), w.dtype, w.device, self.vocab_ids.data_ptr(), int(self.vocab_ids[0]), int(self.vocab_ids[-1]))
+        # No values in the key (reading them would sync a GPU every round): the subset tensor only
+        # changes in place through set_draft_vocab, which drops the cache; loading or .to() makes
+        # a new tensor, which changes its data_ptr.
+        key = (w.data_ptr(), w.dtype, w.device, self.vocab_ids.data_ptr())
         if self._draft_head is None or self._draft_head[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in training too
                 rows = w.index_select(0, self.vocab_ids.to(w.device))

@@ -565,28 +565,12 @@ def format_table(rows: Sequence[dict], only_regressed: bool = False) -> str:
 # CLI
 
 
-def _fraction(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {s!r}") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s!r}")
-    return v
-
-
-def _nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 0, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {s!r}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from specbench.cli import _positive_int  # the CLI's shared argument types
+    from specbench.cli import _positive_int, checked_type  # the CLI's shared argument types
+
+    _fraction = checked_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)", "must be in [0, 1)")
+    _nonneg_float = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0",
+                                 "must be a finite number ≥ 0")
     p.add_argument("--baseline", required=True, help="baseline results (.jsonl or directory), e.g. results/baseline/NAME/")
     p.add_argument("--current", help="current results (.jsonl or directory), e.g. results/NAME/")
     p.add_argument("--max-slowdown", type=_fraction, default=0.05,

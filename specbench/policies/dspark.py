@@ -114,6 +114,12 @@ class DSpark(Policy):
         return Draft(tokens=tokens, probs=probs if state.temperature > 0 else None, lengths=lengths,
                      confidence=confidence)
 
+    def _sps(self, b: int, n: int):
+        """SPS(B) for Algorithm 1 over n scheduled rows of a batch of b: one round = the drafting
+        (paid whatever ℓ is) + a right-padded verify of b rows × (1 + max ℓ) = B / n tokens."""
+        draft_cost = self.draft_seconds(b)
+        return lambda total: 1.0 / (draft_cost + self.step_seconds(b, max(total // n, 1)))
+
     def _update_gate(self, confidence: Tensor, active_mask: Tensor) -> None:
         """Decide, from this round's confidences, whether the *next* rounds draft (module docstring)."""
         active = active_mask.nonzero().flatten()
@@ -122,12 +128,10 @@ class DSpark(Policy):
         b, rows = len(active_mask), len(active)
         conf = confidence[active]
         lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=conf.device)
-        draft_cost = self.draft_seconds(b)
-        best = algorithm1_lengths(conf, lengths, lambda total: 1.0 / (draft_cost + self.step_seconds(b, max(total // rows, 1))),
-                                  early_stop=False, padded=True)
+        best = algorithm1_lengths(conf, lengths, self._sps(b, rows), early_stop=False, padded=True)
         survival = conf.float().clamp(0, 1).cumprod(-1)
         expected = rows + float((survival * (torch.arange(self.gamma, device=conf.device)[None] < best[:, None])).sum())
-        with_draft = expected / (draft_cost + self.step_seconds(b, 1 + int(best.max())))
+        with_draft = expected / (self.draft_seconds(b) + self.step_seconds(b, 1 + int(best.max())))
         without = rows / self.step_seconds(b, 1)
         if with_draft > without:
             self.backoff = 1
@@ -163,19 +167,14 @@ class DSpark(Policy):
         # The engine verifies a right-padded [b, 1 + max ℓ] batch over all b rows of the batch;
         # Algorithm 1 (padded=True) hands over B = n·(1 + max ℓ) for the n requests it schedules.
         b = len(active_mask)
-        draft_cost = self.draft_seconds(b)
-
-        def sps_for(n: int):
-            return lambda total: 1.0 / (draft_cost + self.step_seconds(b, max(total // n, 1)))
-
         if self.scheduler == "algorithm1":
-            out[active] = algorithm1_lengths(conf[active], lengths[active], sps_for(rows), early_stop=True, padded=True)
+            out[active] = algorithm1_lengths(conf[active], lengths[active], self._sps(b, rows), early_stop=True, padded=True)
             return out
         # Production variant (§4.4): capacity from confidences two rounds old (a causal barrier, so
         # no early stop is needed), then a top-K over the current cumulative confidences.
         self.stale_confidence.append((conf[active].clone(), lengths[active].clone()))
         stale_conf, stale_len = self.stale_confidence[0]
-        capacity = (best_capacity(stale_conf, stale_len, sps_for(len(stale_conf)), padded=True)
+        capacity = (best_capacity(stale_conf, stale_len, self._sps(b, len(stale_conf)), padded=True)
                     if len(self.stale_confidence) == 3 else 0)
         out[active] = capacity_lengths(conf[active], lengths[active], capacity)
         return out
