@@ -70,6 +70,7 @@ def run_args(tmp_path, *extra, workload="code", policy="pld"):
     (["--top-p", "0"], ["top-p", "(0, 1]"]),
     (["--top-p", "1.5"], ["top-p"]),
     (["--limit", "0"], ["--limit"]),
+    (["--all", "--limit", "3"], ["--all", "--limit"]),
     (["--param", "novalue"], ["NAME=VALUE"]),
     (["--param", "nosuch=3"], ["no parameter 'nosuch'", "min_ngram"]),
     (["--device", "cuda:7"], ["cuda"]),
