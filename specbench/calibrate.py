@@ -1,11 +1,14 @@
 """`python -m specbench calibrate`: fit DSpark's Sequential Temperature Scaling on held-out rollouts.
 
 Rollouts: the drafter verifies its full block every round (scheduler "fixed", so every position's
-label is observed) at the deployment temperature, on prompts held out from the drafter's training
-(the validation split of its training data) — never on evaluation workloads. Each round gives the
-raw confidence logits z [γ] and how many drafts were accepted; STS (specbench/calibration.py)
-fits per-position temperatures. The result is stored next to the drafter as `calibration.json`
-and used by the dspark policy from then on; ECE/AUC per position before and after go with it.
+label is observed) on prompts held out from the drafter's training (the validation split of its
+training data) — never on evaluation workloads. Each round gives the raw confidence logits z [γ]
+and how many drafts were accepted; STS (specbench/calibration.py) fits per-position temperatures.
+
+One fit per deployment temperature (default 0 and 1): acceptance is a different event at T = 0
+(argmax agreement) than at T > 0 (min(1, p/q)), and the head is trained on one of them; the
+policy uses the fit nearest to each batch's temperature. The result is stored next to the drafter
+as `calibration.json`; ECE/AUC per position before and after go with it.
 """
 from __future__ import annotations
 
@@ -49,22 +52,26 @@ def collect_rollouts(target, policy, prompts: list[list[int]], temperature: floa
     return np.array(logits, dtype=float), np.array(verified), np.array(accepted)
 
 
-def calibrate(target, drafter: str, data, n_prompts: int = 64, temperature: float = 1.0,
-              max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0, write: bool = True) -> dict:
+def calibrate(target, drafter: str, data, n_prompts: int = 64, temperatures: tuple[float, ...] = (0.0, 1.0),
+              max_new_tokens: int = 384, batch_size: int = 8, seed: int = 0, write: bool = True) -> dict:
     from specbench.registry import build_dspark
 
     policy = build_dspark(target, drafter=drafter, scheduler="fixed", calibrated=False)
     prompts = held_out_prompts(data, n_prompts)
-    logits, verified, accepted = collect_rollouts(target, policy, prompts, temperature, max_new_tokens, batch_size, seed)
-    temperatures = fit_sts(logits, verified, accepted)
-    table = calibration_table(logits, verified, accepted, temperatures)
+    fits = []
+    for temperature in temperatures:
+        logits, verified, accepted = collect_rollouts(target, policy, prompts, temperature, max_new_tokens, batch_size, seed)
+        sts = fit_sts(logits, verified, accepted)
+        table = calibration_table(logits, verified, accepted, sts)
+        fits.append({
+            "sampling_temperature": float(temperature), "temperatures": [float(t) for t in sts], "per_position": table,
+            "rollouts": int(len(logits)),
+            "ece_before_mean": float(np.nanmean([r["ece_before"] for r in table])),
+            "ece_after_mean": float(np.nanmean([r["ece_after"] for r in table])),
+        })
     result = {
-        "temperatures": [float(t) for t in temperatures],
-        "per_position": table,
-        "rollouts": int(len(logits)), "prompts": len(prompts), "sampling_temperature": temperature,
-        "max_new_tokens": max_new_tokens, "prompt_source": f"{data.path} (validation split)",
-        "ece_before_mean": float(np.nanmean([r["ece_before"] for r in table])),
-        "ece_after_mean": float(np.nanmean([r["ece_after"] for r in table])),
+        "fits": fits, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "prompt_source": f"{data.path} (validation split)",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
     }
     if write:

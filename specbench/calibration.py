@@ -12,7 +12,12 @@ confidence logits z [γ], how many drafts were verified, and how many were accep
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+
+from specbench.errors import UserError
 
 GRID = np.round(np.arange(0.05, 5.0001, 0.05), 2)  # candidate temperatures
 N_BINS = 15
@@ -91,7 +96,42 @@ def calibration_table(logits: np.ndarray, verified: np.ndarray, accepted: np.nda
     return rows
 
 
-def calibration_from_traces(traces: list[dict], temperatures: list[float]) -> list[dict]:
+def load_sts(path: str | Path) -> dict[float, list[float]]:
+    """A drafter's calibration.json → {sampling temperature: per-position STS temperatures}.
+
+    One fit per deployment temperature: what "accepted" means depends on it (at T = 0 a draft is
+    accepted when it is the target's argmax; at T > 0 with probability min(1, p/q)), so a head
+    calibrated at one temperature is not calibrated at another. Files written before per-temperature
+    fits hold a single `temperatures` list, fitted at `sampling_temperature`."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if "fits" in data:
+            fits = {float(f["sampling_temperature"]): [float(t) for t in f["temperatures"]] for f in data["fits"]}
+        else:
+            fits = {float(data.get("sampling_temperature", 1.0)): [float(t) for t in data["temperatures"]]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read STS calibration {path}: {type(e).__name__}: {e}") from None
+    if not fits or any(not t or min(t) <= 0 for t in fits.values()):
+        raise UserError(f"cannot read STS calibration {path}: no fit, or a temperature that is not positive")
+    return fits
+
+
+def nearest_fit(fitted: list[float], temperature: float) -> float:
+    """The fitted sampling temperature to use at `temperature`: the nearest one (ties → the lower)."""
+    return min(fitted, key=lambda t: (abs(t - temperature), t))
+
+
+def sts_for(sts: list | dict, temperature: float) -> list[float]:
+    """STS temperatures as a record's `policy_params.sts` holds them (one list, or one list per
+    fitted sampling temperature keyed by its string) for a run at `temperature`."""
+    if not isinstance(sts, dict):
+        return [float(t) for t in sts]
+    fits = {float(k): v for k, v in sts.items()}
+    return [float(t) for t in fits[nearest_fit(list(fits), temperature)]]
+
+
+def calibration_from_traces(traces: list[dict], temperatures: list[float], n_resamples: int = 0,
+                            seed: int = 0) -> list[dict]:
     """Per-position ECE / AUC on the rounds of real runs (held-out evaluation prompts).
 
     traces: the records' `trace` dicts (`confidence` = per round the calibrated c_k = σ(z_k / T_k),
@@ -99,10 +139,14 @@ def calibration_from_traces(traces: list[dict], temperatures: list[float]) -> li
     `sts`), to recover the uncalibrated σ(z_k) for the "before" column. Rounds that drafted nothing
     are skipped. Under a scheduler, position k is labelled only in rounds that verified ≥ k drafts:
     the labels are censored exactly as the scheduler's decisions make them, which is what the
-    scheduler needs calibrated."""
+    scheduler needs calibrated.
+
+    n_resamples > 0 adds, per position, the change ECE after − before with a 95% percentile
+    bootstrap interval that resamples whole requests (rounds of one request are not independent):
+    `ece_change`, `ece_change_lo`, `ece_change_hi`."""
     temps = np.asarray(temperatures, dtype=float)
-    logits, verified, accepted = [], [], []
-    for tr in traces:
+    logits, verified, accepted, request = [], [], [], []
+    for i, tr in enumerate(traces):
         for conf, v, a in zip(tr.get("confidence") or [], tr["verify_len"], tr["accepted"]):
             if not conf:
                 continue
@@ -112,8 +156,37 @@ def calibration_from_traces(traces: list[dict], temperatures: list[float]) -> li
             logits.append(z)
             verified.append(v)
             accepted.append(a)
+            request.append(i)
     if not logits:
         return []
     gamma = min(len(z) for z in logits)
     z = np.stack([x[:gamma] for x in logits])
-    return calibration_table(z, np.asarray(verified), np.asarray(accepted), temps[:gamma])
+    verified, accepted, request = np.asarray(verified), np.asarray(accepted), np.asarray(request)
+    rows = calibration_table(z, verified, accepted, temps[:gamma])
+    if n_resamples > 0:
+        for row, (lo, hi) in zip(rows, _ece_change_ci(z, verified, accepted, request, temps[:gamma], n_resamples, seed)):
+            row.update(ece_change=row["ece_after"] - row["ece_before"], ece_change_lo=lo, ece_change_hi=hi)
+    return rows
+
+
+def _ece_change_ci(z, verified, accepted, request, temps, n_resamples: int, seed: int) -> list[tuple[float, float]]:
+    """Per position, the 2.5 / 97.5 percentiles of ECE after − before over request resamples."""
+    gamma = z.shape[1]
+    labels, valid = prefix_labels(verified, accepted, gamma)
+    raw, scaled = cumulative_predictions(z, np.ones(gamma)), cumulative_predictions(z, temps)
+    ids = np.unique(request)
+    rounds_of = [np.flatnonzero(request == i) for i in ids]
+    rng = np.random.default_rng(seed)
+    changes = np.full((n_resamples, gamma), np.nan)
+    for b in range(n_resamples):
+        pick = np.concatenate([rounds_of[j] for j in rng.integers(0, len(ids), len(ids))])
+        for k in range(gamma):
+            m = pick[valid[pick, k]]
+            if len(m):
+                changes[b, k] = (expected_calibration_error(scaled[m, k], labels[m, k])
+                                 - expected_calibration_error(raw[m, k], labels[m, k]))
+    out = []
+    for k in range(gamma):
+        c = changes[:, k][~np.isnan(changes[:, k])]
+        out.append((float(np.percentile(c, 2.5)), float(np.percentile(c, 97.5))) if len(c) else (float("nan"), float("nan")))
+    return out

@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--data", required=True, help="the drafter's training data directory (its validation split is used)")
     cal.add_argument("--target", default=DEFAULT_TARGET)
     cal.add_argument("--prompts", type=_positive_int, default=24)
-    cal.add_argument("--temperature", type=_temperature, default=1.0)
-    cal.add_argument("--max-new-tokens", type=_positive_int, default=96)
+    cal.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0, 1.0],
+                     help="sampling temperatures to fit at, one STS fit each (default 0,1)")
+    cal.add_argument("--max-new-tokens", type=_positive_int, default=384)
     cal.add_argument("--batch-size", type=_positive_int, default=8)
     cal.add_argument("--device", default="cpu")
     cal.set_defaults(func=cmd_calibrate)
@@ -175,12 +176,13 @@ def cmd_calibrate(args) -> int:
     device = check_device(args.device)
     target = load_model(args.target, device=device)
     data = TrainingData(args.data, target)
-    result = calibrate(target, args.drafter, data, n_prompts=args.prompts, temperature=args.temperature,
+    result = calibrate(target, args.drafter, data, n_prompts=args.prompts, temperatures=tuple(args.temperatures),
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-    print(f"STS temperatures: {[round(t, 2) for t in result['temperatures']]}  "
-          f"({result['rollouts']} rollouts from {result['prompts']} held-out prompts)")
-    for row in result["per_position"]:
-        print(f"  position {row['position']}: n={row['n']}  ECE {row['ece_before']:.3f} -> {row['ece_after']:.3f}  AUC {row['auc']:.3f}")
+    for fit in result["fits"]:
+        print(f"T = {fit['sampling_temperature']:g}: STS temperatures {[round(t, 2) for t in fit['temperatures']]}  "
+              f"({fit['rollouts']} rounds from {result['prompts']} held-out prompts)")
+        for row in fit["per_position"]:
+            print(f"  position {row['position']}: n={row['n']}  ECE {row['ece_before']:.3f} -> {row['ece_after']:.3f}  AUC {row['auc']:.3f}")
     print(f"written: {result['path']}")
     return 0
 

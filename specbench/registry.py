@@ -127,15 +127,16 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     import json
 
     from specbench import profile as profiles
+    from specbench.calibration import load_sts
     from specbench.drafters import resolve_checkpoint
     from specbench.dspark_model import load_dspark_drafter
     from specbench.policies.dspark import DSpark
 
     model = load_dspark_drafter(drafter, target)
-    temperatures = None
+    temperatures = None  # STS: {sampling temperature: per-position temperatures}
     calibration = resolve_checkpoint(drafter) / "calibration.json"
     if calibrated and calibration.is_file():
-        temperatures = json.loads(calibration.read_text())["temperatures"]
+        temperatures = load_sts(calibration)
     step_seconds = draft_seconds = None
     if scheduler in ("algorithm1", "capacity"):
         if profile == "auto":

@@ -390,27 +390,35 @@ def breakeven_table(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["Workload", "T", "Policy", "faster (Holm p<0.05)", "no significant difference", "slower (Holm p<0.05)"])
 
 
-def calibration_tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """Held-out confidence calibration per (policy, workload) for runs that recorded confidences
-    (DSpark): ECE of the prefix-survival prediction before / after STS, AUC, per position."""
-    from specbench.calibration import calibration_from_traces
+def calibration_tables(df: pd.DataFrame, n_resamples: int = 500) -> list[tuple[str, pd.DataFrame]]:
+    """Held-out confidence calibration per (policy, workload, temperature) for runs that recorded
+    confidences (DSpark): ECE of the prefix-survival prediction before / after STS (the fit for that
+    temperature), the change with a request-bootstrap 95% CI, and AUC, per position."""
+    from specbench.calibration import calibration_from_traces, sts_for
 
     out = []
-    if "trace" not in df.columns:
+    if "trace" not in df.columns or "policy_params" not in df.columns:
         return out
-    for (policy, workload), g in df.groupby(["policy", "workload"], sort=True):
+    for (policy, workload, temperature), g in df.groupby(["policy", "workload", "temperature"], sort=True):
         traces = [t for t in g["trace"] if isinstance(t, dict) and t.get("confidence")]
-        params = [p for p in g.get("policy_params", []) if isinstance(p, dict) and p.get("sts")]
+        params = [p for p in g["policy_params"] if isinstance(p, dict) and p.get("sts")]
         if not traces or not params:
             continue
-        rows = calibration_from_traces(traces, params[0]["sts"])
+        rows = calibration_from_traces(traces, sts_for(params[0]["sts"], float(temperature)), n_resamples=n_resamples)
         rows = [r for r in rows if r["n"] > 0]
         if not rows:
             continue
+
+        def change(r):
+            if "ece_change" not in r:
+                return "–"
+            return f"{r['ece_change']:+.3f} [{r['ece_change_lo']:+.3f}, {r['ece_change_hi']:+.3f}]"
+
         t = pd.DataFrame([{"Position": r["position"], "n": r["n"], "Accept rate": _fmt(r["label_rate"], 3),
                            "T (STS)": _fmt(r["temperature"]), "ECE before": _fmt(r["ece_before"], 3),
-                           "ECE after": _fmt(r["ece_after"], 3), "AUC": _fmt(r["auc"], 3)} for r in rows])
-        out.append((f"{policy} on {workload}", t))
+                           "ECE after": _fmt(r["ece_after"], 3), "after − before [95% CI]": change(r),
+                           "AUC": _fmt(r["auc"], 3)} for r in rows])
+        out.append((f"{policy} on {workload}, T = {_fmt_temp(temperature)}", t))
     return out
 
 
@@ -533,9 +541,11 @@ _CALIBRATION_NOTE = (
     "The confidence head predicts each draft's conditional acceptance; the scheduler uses the prefix "
     "survival Π c_i, so that is what is scored: equal-width-bin ECE (15 bins) of the prediction before "
     "(T = 1) and after Sequential Temperature Scaling (per-position temperatures fitted by "
-    "`specbench calibrate` on the drafter's own held-out training prompts), on the rounds of these "
-    "runs (evaluation prompts, never seen in fitting). Under a scheduler, position k is labelled only "
-    "in rounds that verified ≥ k drafts. AUC is unchanged by temperature scaling."
+    "`specbench calibrate` on the drafter's own held-out training prompts, one fit per sampling "
+    "temperature; the nearest fit is used), on the rounds of these runs (evaluation prompts, never "
+    "seen in fitting). The change's 95% interval resamples whole requests (500 bootstrap resamples). "
+    "Under a scheduler, position k is labelled only in rounds that verified ≥ k drafts. AUC is "
+    "unchanged by temperature scaling."
 )
 
 

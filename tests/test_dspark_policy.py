@@ -169,3 +169,19 @@ def test_draft_gate_sampling_matches_target(small):
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
     pvalue, tv = chi_square(exact, counts)
     assert pvalue > 1e-3, f"DSpark with the draft gate differs (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+def test_sts_fit_follows_the_sampling_temperature(target):
+    """With one STS fit per sampling temperature, each batch's confidences are σ(z / T_k) with the
+    fit nearest its temperature (T = 0 → the greedy fit; T = 0.9 → the T = 1 fit); params record both."""
+    fits = {0.0: [0.5, 0.6, 0.7, 0.8], 1.0: [1.5, 1.6, 1.7, 1.8]}
+    pol = DSpark(make_drafter(target), scheduler="fixed", sts_temperatures=fits)
+    assert pol.params()["sts"] == {"0": fits[0.0], "1": fits[1.0]}
+    prompts = random_prompts(3, VOCAB, seed=3)
+    for temperature, fit in ((0.0, 0.0), (0.9, 1.0)):
+        result = generate(target, pol, prompts, SamplingConfig(max_new_tokens=12, temperature=temperature, seed=1))
+        for r, req in enumerate(result.requests):
+            raw = torch.tensor(pol.confidence_log[r])
+            assert len(raw) == len(req.trace_confidence) > 0
+            expected = torch.sigmoid(raw / torch.tensor(fits[fit]))
+            torch.testing.assert_close(torch.tensor(req.trace_confidence), expected, atol=1e-4, rtol=0)  # traces keep 4 decimals

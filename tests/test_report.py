@@ -192,3 +192,31 @@ def test_pareto_survives_an_interval_that_excludes_its_point():
     ])
     fig = fig_pareto(summary, _colors(summary["policy"]))
     assert fig.axes
+
+
+def test_calibration_tables_one_per_temperature_with_its_fit():
+    """DSpark records at T = 0 and T = 1: one held-out table each, scored with the STS fit for that
+    temperature (from policy_params.sts), with the request-bootstrap interval of the ECE change."""
+    import numpy as np
+    import pandas as pd
+
+    from specbench.report import calibration_tables
+
+    rng = np.random.default_rng(0)
+    fits = {"0": [0.5, 2.0], "1": [1.5, 1.0]}
+    rows = []
+    for temperature, fit in ((0.0, fits["0"]), (1.0, fits["1"])):
+        for request in range(12):
+            z = rng.normal(0.0, 1.5, size=(30, 2))
+            accepted = (rng.random((30, 2)) < 1 / (1 + np.exp(-z))).cumprod(axis=1).sum(axis=1)
+            conf = 1 / (1 + np.exp(-z / np.array(fit)))
+            rows.append({"policy": "dspark-fixed", "workload": "code", "temperature": temperature,
+                         "policy_params": {"scheduler": "fixed", "sts": fits},
+                         "trace": {"confidence": conf.tolist(), "verify_len": [2] * 30, "accepted": accepted.tolist()}})
+    rows.append({"policy": "ar", "workload": "code", "temperature": 0.0, "policy_params": {}, "trace": {"verify_len": [0]}})
+    tables = calibration_tables(pd.DataFrame(rows), n_resamples=50)
+    assert [name for name, _ in tables] == ["dspark-fixed on code, T = 0", "dspark-fixed on code, T = 1"]
+    for (_, t), fit in zip(tables, (fits["0"], fits["1"])):
+        assert list(t["n"]) == [360, 360]
+        assert [float(x) for x in t["T (STS)"]] == fit
+        assert all(c.count("[") == 1 for c in t["after − before [95% CI]"])

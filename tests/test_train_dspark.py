@@ -249,3 +249,27 @@ def test_reduced_draft_vocabulary_trains_saves_and_loads(target, data, tmp_path)
     drafter.append_context(feats)
     tokens, probs, _ = drafter.draft_block(torch.tensor([1, 2, 3, 4]), None, 1.0)
     assert set(tokens.flatten().tolist()) <= set(weights["vocab_ids"].tolist())
+
+
+def test_calibrate_fits_each_sampling_temperature(target, data, trained, tmp_path):
+    """`specbench calibrate` writes one STS fit per sampling temperature beside the drafter, from
+    rollouts on the validation split; build_dspark then uses the fit for each batch's temperature."""
+    import shutil
+
+    from specbench.calibrate import calibrate, held_out_prompts
+    from specbench.registry import build_dspark
+
+    path = tmp_path / "drafter"
+    shutil.copytree(trained["dspark"][0], path)
+    result = calibrate(target, str(path), data, n_prompts=8, temperatures=(0.0, 1.0), max_new_tokens=24, batch_size=4)
+    saved = json.loads((path / "calibration.json").read_text())
+    assert [f["sampling_temperature"] for f in saved["fits"]] == [0.0, 1.0]
+    assert saved["prompts"] == len(held_out_prompts(data, 8)) > 0
+    for fit in saved["fits"]:
+        assert len(fit["temperatures"]) == 4 and all(t > 0 for t in fit["temperatures"])
+        assert 0 < fit["per_position"][0]["n"] <= fit["rollouts"]  # the last round may verify nothing (budget)
+        assert fit["ece_after_mean"] <= fit["ece_before_mean"] + 1e-9  # fitted on these rollouts
+    assert result["path"] == str(path / "calibration.json")
+    policy = build_dspark(target, drafter=str(path), scheduler="fixed")
+    assert policy.params()["sts"] == {"0": [round(t, 3) for t in saved["fits"][0]["temperatures"]],
+                                      "1": [round(t, 3) for t in saved["fits"][1]["temperatures"]]}

@@ -32,6 +32,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from specbench.calibration import nearest_fit
 from specbench.core import KV_BUCKET, round_up
 from specbench.policy import BatchState, Draft, Policy
 from specbench.scheduler import (algorithm1_lengths, best_capacity, capacity_lengths, fixed_lengths,
@@ -45,7 +46,7 @@ class DSpark(Policy):
     name = "dspark"
 
     def __init__(self, draft_model, scheduler: str = "algorithm1", threshold: float = 0.5,
-                 sts_temperatures: list[float] | None = None, step_seconds=None, draft_seconds=None,
+                 sts_temperatures: list[float] | dict[float, list[float]] | None = None, step_seconds=None, draft_seconds=None,
                  max_length: int | None = None,
                  drafter_name: str | None = None, group_size: int | None = None, draft_gate: bool = False):
         if scheduler not in SCHEDULERS:
@@ -61,8 +62,14 @@ class DSpark(Policy):
         self.gamma = draft_model.block_size if max_length is None else min(max_length, draft_model.block_size)
         self.max_draft = self.gamma
         self.target_taps = tuple(draft_model.args.tap_layers)
-        temps = torch.ones(draft_model.block_size) if sts_temperatures is None else torch.tensor(sts_temperatures, dtype=torch.float32)
-        self.sts_temperatures = temps[: draft_model.block_size]
+        # STS temperatures, one set per sampling temperature they were fitted at (calibration.py::
+        # load_sts); a plain list serves every temperature.
+        if sts_temperatures is None:
+            sts_temperatures = [1.0] * draft_model.block_size
+        self.sts_single = not isinstance(sts_temperatures, dict)
+        fits = {1.0: sts_temperatures} if self.sts_single else sts_temperatures
+        self.sts_by_temperature = {float(t): torch.tensor(v, dtype=torch.float32)[: draft_model.block_size]
+                                   for t, v in fits.items()}
         self.step_seconds = step_seconds  # (rows, q) → seconds of one verify forward on this device
         # rows → seconds of one drafting round (paid whatever ℓ is), from the same stored profile so
         # that decisions are a deterministic function of the drafts and the profile.
@@ -81,7 +88,15 @@ class DSpark(Policy):
 
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
-                "sts": [round(float(t), 3) for t in self.sts_temperatures], "draft_gate": self.draft_gate}
+                "sts": self._sts_params(), "draft_gate": self.draft_gate}
+
+    def _sts_params(self) -> list | dict:
+        rounded = {t: [round(float(x), 3) for x in v] for t, v in self.sts_by_temperature.items()}
+        return next(iter(rounded.values())) if self.sts_single else {f"{t:g}": v for t, v in sorted(rounded.items())}
+
+    def sts_temperatures(self, temperature: float) -> Tensor:
+        """The STS temperatures for requests sampled at `temperature` (the nearest fit)."""
+        return self.sts_by_temperature[nearest_fit(list(self.sts_by_temperature), temperature)]
 
     def begin(self, state: BatchState, prompt_features: Tensor | None) -> None:
         b, cap = state.tokens.shape
@@ -105,7 +120,7 @@ class DSpark(Policy):
             raw = conf_logits[:, : self.gamma].float().tolist()
             for r in state.active.nonzero().flatten().tolist():
                 self.confidence_log[r].append(raw[r])
-            temps = self.sts_temperatures[: self.gamma].to(conf_logits.device)
+            temps = self.sts_temperatures(state.temperature)[: self.gamma].to(conf_logits.device)
             confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / temps)
             if self.draft_gate:
                 self._update_gate(confidence, state.active)
