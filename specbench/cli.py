@@ -136,6 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--html", help="HTML output (default: report.html beside the results)")
     rep.add_argument("--pdf", help="PDF output (default: report.pdf beside the results)")
 
+    cmp = sub.add_parser("compare", help="paired test of one policy against another (tokens/s or τ)",
+                         description="Pair two policies' requests on the same prompts in every cell of the results "
+                                     "and test the per-prompt log ratio (geometric-mean ratio with a 95% BCa CI, "
+                                     "Wilcoxon signed-rank, Holm across cells).")
+    cmp.add_argument("results", help="a results .jsonl file or a directory of them")
+    cmp.add_argument("a", help="policy name (the numerator)")
+    cmp.add_argument("b", help="policy name (the denominator)")
+    cmp.add_argument("--metric", choices=["tokens_per_s", "tau"], default="tokens_per_s",
+                     help="tokens_per_s (speed) or tau (tokens per verify round: drafter quality, no timing noise)")
+    cmp.add_argument("--by-category", action="store_true", help="one cell per workload category too")
+    cmp.add_argument("--csv", help="also write the table as csv")
+
     from specbench import regress, simulate
     from specbench.train import cli as train_cli
 
@@ -533,7 +545,35 @@ def cmd_report(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "list": cmd_list, "report": cmd_report}
+def cmd_compare(args) -> int:
+    from specbench import stats
+
+    results = Path(args.results)
+    if not results.exists():
+        raise UserError(f"results path not found: {results}")
+    if args.csv:
+        check_writable(Path(args.csv), "file")
+    table = stats.compare_policies(stats.load_results(results), args.a, args.b, metric=args.metric,
+                                   by_category=args.by_category)
+    if table.empty:
+        raise UserError(f"{args.a} and {args.b} share no prompts in any cell of {results}")
+    cols = [c for c in ("workload", "category", "batch_size", "temperature") if c in table.columns]
+    what = "tokens/s" if args.metric == "tokens_per_s" else "τ"
+    print(f"{args.a} vs {args.b}: geometric-mean ratio of per-prompt {what} [95% CI], Wilcoxon p, Holm across {len(table)} cells")
+    for _, r in table.iterrows():
+        cell = "  ".join(f"{c}={r[c]:g}" if isinstance(r[c], float) else f"{c}={r[c]}" for c in cols)
+        verdict = ("higher" if r["ratio"] > 1 else "lower") if r["significant"] else "no significant difference"
+        print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
+              f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
+    if args.csv:
+        tmp = Path(args.csv).with_suffix(".csv.tmp")
+        table.to_csv(tmp, index=False)
+        tmp.replace(args.csv)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "list": cmd_list, "report": cmd_report, "compare": cmd_compare}
 
 
 def _regress_main(args) -> int:

@@ -255,28 +255,35 @@ def _valid_tps(df: pd.DataFrame) -> pd.DataFrame:
     return df[np.isfinite(tps) & (tps > 0)]
 
 
-def _per_prompt_turn(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
-    """Mean tokens/s over repeats per (cell, policy, prompt_id, turn), plus token/time sums."""
+PAIRED_METRICS = ("tokens_per_s", "tau")  # what compare_policies can pair on
+
+
+def _per_prompt_turn(df: pd.DataFrame, cols: list[str], metric: str = "tokens_per_s") -> pd.DataFrame:
+    """Mean of `metric` (column ``tps``) over repeats per (cell, policy, prompt_id, turn), plus
+    token/time sums."""
     d = _valid_tps(df).copy()
+    d = d[np.isfinite(d[metric].astype(float)) & (d[metric].astype(float) > 0)]
     d["_tok"] = d["generated_tokens"].astype(float) - 1 if "generated_tokens" in d else np.nan
     d["_dec"] = d["decode_s"].astype(float) if "decode_s" in d else np.nan
     keys = cols + ["policy", "prompt_id", "turn"]
     g = d.groupby(keys, dropna=False, sort=True)
-    return g.agg(tps=("tokens_per_s", "mean"), tok=("_tok", "sum"), dec=("_dec", "sum")).reset_index()
+    return g.agg(tps=(metric, "mean"), tok=("_tok", "sum"), dec=("_dec", "sum")).reset_index()
 
 
 def paired_log_ratios(
-    df: pd.DataFrame, a: str, b: str = BASELINE, *, by_category: bool = False, by: Iterable[str] | None = None
+    df: pd.DataFrame, a: str, b: str = BASELINE, *, by_category: bool = False, by: Iterable[str] | None = None,
+    metric: str = "tokens_per_s",
 ) -> pd.DataFrame:
     """Per-prompt paired log ratio log(tps_a / tps_b) within each cell.
 
     Returns one row per (cell…, prompt_id) with columns ``log_ratio`` (mean over turns),
     ``tps_a``, ``tps_b`` (mean over turns of the repeat-averaged tokens/s), ``tok_a``,
     ``dec_a``, ``tok_b``, ``dec_b`` (sums over turns and repeats) and ``turns``.
-    Prompts (or turns) missing on either side are dropped.
+    Prompts (or turns) missing on either side are dropped. ``metric="tau"`` pairs the
+    per-request τ instead of tokens/s (``tps_*`` then hold τ).
     """
     cols = _cell_cols(by_category, by)
-    pt = _per_prompt_turn(df[df["policy"].isin([a, b])], cols)
+    pt = _per_prompt_turn(df[df["policy"].isin([a, b])], cols, metric)
     key = cols + ["prompt_id", "turn"]
     A = pt[pt["policy"] == a].drop(columns="policy")
     B = pt[pt["policy"] == b].drop(columns="policy")
@@ -466,27 +473,32 @@ def compare_policies(
     n_resamples: int = DEFAULT_RESAMPLES,
     seed: int = DEFAULT_SEED,
     method: str = "BCa",
+    metric: str = "tokens_per_s",
 ) -> pd.DataFrame:
     """Paired comparison of policy ``a`` against ``b`` on the same prompts, per cell.
 
-    Columns: cell columns, a, b, n, ratio, ratio_ci_low, ratio_ci_high, p, p_holm, significant,
-    median_log_ratio, rank_biserial, ratio_of_means, ratio_time_weighted, note.
+    Columns: cell columns, a, b, metric, n, ratio, ratio_ci_low, ratio_ci_high, p, p_holm,
+    significant, median_log_ratio, rank_biserial, ratio_of_means, ratio_time_weighted, note.
 
-    ``ratio`` = geometric mean over prompts of tps_a / tps_b (> 1: a is faster) with a
-    bootstrap CI; ``p`` = Wilcoxon signed-rank on the per-prompt log ratios, ``p_holm`` Holm
-    across the returned cells; effect sizes as in :func:`summarize`.
+    ``ratio`` = geometric mean over prompts of metric_a / metric_b (tokens/s: > 1 = a is faster;
+    ``metric="tau"``: > 1 = a's drafts yield more tokens per verify round, the drafter-quality
+    comparison, free of timing noise) with a bootstrap CI; ``p`` = Wilcoxon signed-rank on the
+    per-prompt log ratios, ``p_holm`` Holm across the returned cells; effect sizes as in
+    :func:`summarize`. ``ratio_time_weighted`` is a tokens/s quantity whatever the metric.
     """
+    if metric not in PAIRED_METRICS:
+        raise UserError(f"unknown metric {metric!r} (valid: {', '.join(PAIRED_METRICS)})")
     for name in (a, b):
         if name not in set(df["policy"]):
             raise UserError(f"no records for policy {name!r} (have: {', '.join(sorted(df['policy'].unique()))})")
     cols = _cell_cols(by_category, by)
-    pp = paired_log_ratios(df, a, b, by=cols)
+    pp = paired_log_ratios(df, a, b, by=cols, metric=metric)
     rows = []
     for cell, p in pp.groupby(cols, dropna=False, sort=True):
         st = _paired_stats(p, n_resamples, seed, method)
         notes = st.pop("_notes")
         row = dict(zip(cols, cell if isinstance(cell, tuple) else (cell,)))
-        row.update(a=a, b=b)
+        row.update(a=a, b=b, metric=metric)
         names = {"speedup": "ratio", "speedup_ci_low": "ratio_ci_low", "speedup_ci_high": "ratio_ci_high",
                  "median_log_speedup": "median_log_ratio", "speedup_ratio_of_means": "ratio_of_means",
                  "speedup_time_weighted": "ratio_time_weighted"}
@@ -495,7 +507,7 @@ def compare_policies(
         rows.append(row)
     out = pd.DataFrame(rows)
     if out.empty:
-        return pd.DataFrame(columns=cols + ["a", "b", "n", "ratio", "ratio_ci_low", "ratio_ci_high", "p", "p_holm", "significant"])
+        return pd.DataFrame(columns=cols + ["a", "b", "metric", "n", "ratio", "ratio_ci_low", "ratio_ci_high", "p", "p_holm", "significant"])
     out["p_holm"] = holm(out["p"].to_numpy(dtype=float))
     out["significant"] = out["p_holm"] < ALPHA
     return out

@@ -214,6 +214,24 @@ def test_report_wiring(tmp_path, capsys):
     _one_error_line(capsys, main(["report", str(tmp_path / "missing")]), "not found")
 
 
+def test_compare_command(tmp_path, capsys):
+    """`compare RESULTS A B --metric tau`: one line per cell with the ratio, CI and verdict; the csv
+    is written whole; unknown policies or paths are one-line errors."""
+    from test_stats import rec
+
+    res = tmp_path / "records.jsonl"
+    rows = []
+    for i in range(12):
+        rows += [rec("dspark", f"q{i}", 10.0, tau=1.5 + 0.01 * i), rec("dflash", f"q{i}", 10.0, tau=1.2 + 0.005 * i)]
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["compare", str(res), "dspark", "dflash", "--metric", "tau", "--csv", str(tmp_path / "c.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "n=12" in out and "higher" in out and "τ" in out
+    assert (tmp_path / "c.csv").read_text().startswith("workload,")
+    _one_error_line(capsys, main(["compare", str(res), "dspark", "eagle"]), "no records for policy 'eagle'")
+    _one_error_line(capsys, main(["compare", str(tmp_path / "missing"), "dspark", "dflash"]), "not found")
+
+
 def test_keyboard_interrupt_exit_130(tmp_path, capsys, jsonl, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt

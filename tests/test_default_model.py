@@ -51,6 +51,7 @@ SHIPPED = [  # every policy over a drafter shipped in drafters/smollm2-135m/
     ("eagle-t16", {}),
     ("dflash", {}),
     ("dspark-fixed", {}),
+    ("dspark-960-fixed", {}),
     ("dspark", {"profile": PROFILE}),  # Algorithm 1 + the draft gate, on the committed CPU profile
 ]
 

@@ -113,6 +113,25 @@ def test_compare_policies_equals_scipy_wilcoxon():
         stats.compare_policies(df, "pld", "eagle")
 
 
+def test_compare_policies_on_tau_equals_scipy_wilcoxon():
+    """metric="tau" pairs per-request τ (drafter quality) instead of tokens/s; repeats are averaged
+    per prompt first, exactly as for speed."""
+    rng = np.random.default_rng(5)
+    tau_a, tau_b = 1 + rng.gamma(2.0, 0.2, 20), 1 + rng.gamma(2.0, 0.15, 20)
+    recs = []
+    for i in range(20):
+        for repeat in (0, 1):  # same τ on both repeats, different speeds: only τ may matter
+            recs += [rec("dspark", f"q{i:02d}", 5.0 + repeat, tau=tau_a[i], repeat=repeat),
+                     rec("dflash", f"q{i:02d}", 9.0 - repeat, tau=tau_b[i], repeat=repeat)]
+    c = stats.compare_policies(frame(recs), "dspark", "dflash", metric="tau")
+    d = np.log(tau_a / tau_b)
+    assert c["metric"].iloc[0] == "tau" and c["n"].iloc[0] == 20
+    assert c["ratio"].iloc[0] == pytest.approx(math.exp(d.mean()))
+    assert c["p"].iloc[0] == pytest.approx(st.wilcoxon(d).pvalue, rel=1e-12)
+    with pytest.raises(UserError, match="unknown metric"):
+        stats.compare_policies(frame(recs), "dspark", "dflash", metric="rounds")
+
+
 # ---------------------------------------------------------------------------------------------
 # Holm, rank-biserial
 
