@@ -381,13 +381,16 @@ def breakeven_table(summary: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (wl, t, pol), d in s.groupby(["workload", "temperature", "policy"], sort=True):
         d = d.sort_values("batch_size")
-        gain = d[d["significant"] & (d["speedup"] > 1)]["batch_size"]
-        loss = d[d["significant"] & (d["speedup"] < 1)]["batch_size"]
-        none = d[~d["significant"]]["batch_size"]
+        paired = d["n"] > 0  # batch sizes with no AR records on the same prompts are not a "no difference"
+        gain = d[paired & d["significant"] & (d["speedup"] > 1)]["batch_size"]
+        loss = d[paired & d["significant"] & (d["speedup"] < 1)]["batch_size"]
+        none = d[paired & ~d["significant"]]["batch_size"]
         j = lambda v: ", ".join(map(str, v)) or "–"  # noqa: E731
         rows.append({"Workload": wl, "T": _fmt_temp(t), "Policy": pol, "faster (Holm p<0.05)": j(gain),
-                     "no significant difference": j(none), "slower (Holm p<0.05)": j(loss)})
-    return pd.DataFrame(rows, columns=["Workload", "T", "Policy", "faster (Holm p<0.05)", "no significant difference", "slower (Holm p<0.05)"])
+                     "no significant difference": j(none), "slower (Holm p<0.05)": j(loss),
+                     "no AR to compare": j(d[~paired]["batch_size"])})
+    return pd.DataFrame(rows, columns=["Workload", "T", "Policy", "faster (Holm p<0.05)", "no significant difference",
+                                       "slower (Holm p<0.05)", "no AR to compare"])
 
 
 def calibration_tables(df: pd.DataFrame, n_resamples: int = 500) -> list[tuple[str, pd.DataFrame]]:

@@ -220,3 +220,21 @@ def test_calibration_tables_one_per_temperature_with_its_fit():
         assert list(t["n"]) == [360, 360]
         assert [float(x) for x in t["T (STS)"]] == fit
         assert all(c.count("[") == 1 for c in t["after − before [95% CI]"])
+
+
+def test_breakeven_table_does_not_call_unpaired_cells_no_difference():
+    """A cell without AR records on the same prompts (n = 0) is 'no AR to compare', not 'no
+    significant difference'."""
+    import pandas as pd
+
+    from specbench.report import breakeven_table
+
+    summary = pd.DataFrame([
+        {"workload": "code", "temperature": 0.0, "policy": "ar", "batch_size": 1, "n": 0, "speedup": float("nan"), "significant": False},
+        {"workload": "code", "temperature": 0.0, "policy": "pld", "batch_size": 1, "n": 8, "speedup": 1.4, "significant": True},
+        {"workload": "code", "temperature": 0.0, "policy": "pld", "batch_size": 4, "n": 8, "speedup": 1.02, "significant": False},
+        {"workload": "code", "temperature": 0.0, "policy": "pld", "batch_size": 16, "n": 0, "speedup": float("nan"), "significant": False},
+    ])
+    row = breakeven_table(summary).iloc[0]
+    assert (row["faster (Holm p<0.05)"], row["no significant difference"], row["slower (Holm p<0.05)"],
+            row["no AR to compare"]) == ("1", "4", "–", "16")
