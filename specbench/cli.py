@@ -566,9 +566,9 @@ def cmd_compare(args) -> int:
         print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
               f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
     if args.csv:
-        tmp = Path(args.csv).with_suffix(".csv.tmp")
-        table.to_csv(tmp, index=False)
-        tmp.replace(args.csv)
+        from specbench.report import _atomic_write  # the report's whole-file-or-nothing writer
+
+        _atomic_write(Path(args.csv), table.to_csv(index=False).encode("utf-8"))
         print(f"wrote {args.csv}")
     return 0
 

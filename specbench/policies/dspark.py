@@ -105,6 +105,8 @@ class DSpark(Policy):
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
         self.confidence_log = [[] for _ in range(b)]
+        # The batch's temperature is fixed for its life: pick its STS fit and move it once, not per round.
+        self.batch_sts = self.sts_temperatures(state.temperature)[: self.gamma].to(state.tokens.device)
         self.skip_rounds, self.backoff = 0, 1
 
     @torch.inference_mode()
@@ -120,8 +122,7 @@ class DSpark(Policy):
             raw = conf_logits[:, : self.gamma].float().tolist()
             for r in state.active.nonzero().flatten().tolist():
                 self.confidence_log[r].append(raw[r])
-            temps = self.sts_temperatures(state.temperature)[: self.gamma].to(conf_logits.device)
-            confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / temps)
+            confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / self.batch_sts)
             if self.draft_gate:
                 self._update_gate(confidence, state.active)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
