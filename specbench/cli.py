@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specbench.train import cli as train_cli
 
     train_cli.add_parser(sub)
+    train_cli.add_corpus_parser(sub)
     regress.add_parser(sub)
     simulate.add_parser(sub)
 

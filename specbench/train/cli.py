@@ -104,3 +104,92 @@ def main(args: argparse.Namespace) -> int:
     print(f"specbench: trained {args.policy} drafter for {target.name}: {out} ({result.steps} steps; {final}); "
           f"card {card.name}", file=sys.stderr)
     return 0
+
+
+def add_corpus_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "corpus", help="build (or continue) the self-distillation corpus: the target's own answers, as token ids",
+        description="Build or continue a target-generated training corpus in committed uint16 shards "
+                    "(specbench/train/corpus.py). A rerun continues after the last complete shard.")
+    p.add_argument("--target", default="smollm2-135m", help="target model spec (default: %(default)s)")
+    p.add_argument("--out", required=True, help="corpus directory (e.g. corpus/smollm2-135m)")
+    p.add_argument("--tokens", type=int, default=2_000_000,
+                   help="stop once the corpus holds this many response tokens (default: %(default)s)")
+    p.add_argument("--shard-prompts", type=int, default=256, help="prompts per shard (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response budget (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows generated together (default: %(default)s)")
+    p.add_argument("--max-shards", type=int, default=None, help="write at most this many new shards")
+    p.add_argument("--seed", type=int, default=0, help="corpus seed (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="target dtype; auto: bfloat16 on CUDA, on CPU the faster of the two by a GEMM "
+                        "measured now (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--commit", action="store_true",
+                   help="git-commit each shard and the manifest as soon as it is complete")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=corpus_main)
+    return p
+
+
+def _measured_cpu_dtype() -> tuple[torch.dtype, dict]:
+    """The faster of fp32 and bf16 for a decode-sized GEMM on this CPU (bf16 matrix units exist
+    on some CPUs and not on others): best of 5 timings of [2048, 576] @ [576, 1536] each."""
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, w = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        best = float("inf")
+        for _ in range(6):
+            t0 = time.perf_counter()
+            a @ w
+            best = min(best, time.perf_counter() - t0)
+        timings[str(dtype).replace("torch.", "")] = round(best * 1e3, 3)
+    faster = torch.bfloat16 if timings["bfloat16"] < timings["float32"] else torch.float32
+    return faster, {"gemm_ms": timings}
+
+
+def _git_commit(paths: list[Path], message: str) -> None:
+    import subprocess
+
+    for attempt in range(10):  # another git process may hold the index lock for a moment
+        add = subprocess.run(["git", "add", "--", *map(str, paths)], capture_output=True, text=True)
+        if add.returncode == 0:
+            done = subprocess.run(["git", "commit", "-q", "-m", message, "--", *map(str, paths)],
+                                  capture_output=True, text=True)
+            if done.returncode == 0:
+                return
+        time.sleep(2 + attempt)
+    print(f"specbench: could not commit {', '.join(map(str, paths))}; they stay on disk", file=sys.stderr)
+
+
+def corpus_main(args: argparse.Namespace) -> int:
+    from specbench.loading import load_model
+    from specbench.train.corpus import build_corpus
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {device} requested but CUDA is not available")
+    dtype_note = {}
+    if args.dtype != "auto":
+        dtype = getattr(torch, args.dtype)
+    elif device.type == "cuda":
+        dtype = torch.bfloat16
+    else:
+        dtype, dtype_note = _measured_cpu_dtype()
+    print(f"specbench: corpus generation in {str(dtype).replace('torch.', '')} on {device} "
+          f"{dtype_note or ''}".rstrip(), file=sys.stderr)
+    target = load_model(args.target, device=device, dtype=dtype)
+
+    def commit(path: Path, manifest: dict) -> None:
+        totals = manifest["totals"]
+        _git_commit([path, path.parent / "manifest.json"],
+                    f"corpus {target.name}: {path.name} ({manifest['shards'][-1]['n_response_tokens']} response "
+                    f"tokens; {totals['n_response_tokens']} in {totals['n_shards']} shards)")
+
+    manifest = build_corpus(target, args.out, args.tokens, shard_prompts=args.shard_prompts,
+                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                            max_shards=args.max_shards, on_shard=commit if args.commit else None,
+                            progress=not args.no_progress)
+    t = manifest["totals"]
+    print(f"specbench: corpus {args.out}: {t['n_response_tokens']} response tokens, {t['n_sequences']} sequences "
+          f"in {t['n_shards']} shards ({t['generation_s']:.0f} s of generation)", file=sys.stderr)
+    return 0
