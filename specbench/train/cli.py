@@ -41,6 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="tiny: seconds (tests); small: the 2-core CPU, under an hour; full: one H200, minutes")
     p.add_argument("--out", help="output directory for the drafter (default: in the cache)")
     p.add_argument("--data", help="training-data directory (built there if it holds none)")
+    p.add_argument("--corpus", help="train on this corpus (python -m specbench corpus): the target's features "
+                                    "are computed from its token ids into --data (default: in the cache)")
+    p.add_argument("--corpus-shards", type=int, default=None, help="use only the corpus' first N shards")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
@@ -84,7 +87,19 @@ def main(args: argparse.Namespace) -> int:
     target = load_model(args.target, device=device, dtype=dtype)
     data_dir = Path(args.data) if args.data else default_data_dir(target.name, f"{args.budget}-s{args.seed}")
     data_s = None
-    if not (data_dir / "manifest.json").is_file():
+    if getattr(args, "corpus", None):
+        from specbench.train.corpus import features_from_corpus, read_corpus
+        from specbench.train.data import default_tap_layers
+
+        corpus_key = read_corpus(args.corpus)[0]["build_key"]
+        taps = tap_layers or default_tap_layers(target.model.args.n_layers)
+        if not args.data:
+            shards = f"-first{args.corpus_shards}" if args.corpus_shards else ""
+            data_dir = default_data_dir(target.name, f"corpus-{corpus_key}{shards}-taps{'_'.join(map(str, taps))}")
+        t0 = time.perf_counter()
+        features_from_corpus(target, args.corpus, data_dir, taps, max_shards=args.corpus_shards, progress=progress)
+        data_s = time.perf_counter() - t0
+    elif not (data_dir / "manifest.json").is_file():
         t0 = time.perf_counter()
         build_training_data(target, data_dir, n_prompts=budget["n_prompts"], max_new_tokens=budget["max_new_tokens"],
                             seed=args.seed, tap_layers=tap_layers, batch_size=budget["gen_batch_size"],

@@ -526,6 +526,27 @@ def _feature_pass(model, seqs: list[list[int]], taps: tuple[int, ...]):
     return out
 
 
+def write_feature_shard(path: Path, ids_l, mask_l, taps_l, hid_l, prompt_index, taps_dim: int, dim: int,
+                        build_key: str, fingerprint: str) -> None:
+    """One features shard (format in the module docstring) from per-sequence tensors, atomically."""
+    offsets = [0]
+    for ids in ids_l:
+        offsets.append(offsets[-1] + len(ids))
+    tensors = {
+        "input_ids": torch.cat(ids_l) if ids_l else torch.zeros(0, dtype=torch.int32),
+        "loss_mask": torch.cat(mask_l) if mask_l else torch.zeros(0, dtype=torch.uint8),
+        "taps": torch.cat(taps_l) if taps_l else torch.zeros(0, taps_dim, dtype=torch.bfloat16),
+        "last_hidden": torch.cat(hid_l) if hid_l else torch.zeros(0, dim, dtype=torch.bfloat16),
+        "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
+        "prompt_index": torch.tensor(prompt_index, dtype=torch.int64),
+    }
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
+              metadata={"format": f"specbench-traindata-{FORMAT}", "build_key": build_key,
+                        "target_fingerprint": fingerprint})
+    os.replace(tmp, path)
+
+
 def _shard_name(k: int) -> str:
     return f"features-{k:05d}.safetensors"
 
@@ -645,7 +666,7 @@ def build_training_data(
         shard_records = records[k * shard_size:(k + 1) * shard_size]
         prompt_ids = {r["index"]: fmt.prompt_ids(r["text"]) for r in shard_records}
         order = sorted(prompt_ids, key=lambda i: (len(prompt_ids[i]), i))
-        ids_l, mask_l, taps_l, hid_l, offsets, pindex = [], [], [], [], [0], []
+        ids_l, mask_l, taps_l, hid_l, pindex = [], [], [], [], []
         for j in range(0, len(order), batch_size):
             group = order[j:j + batch_size]
             cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -659,23 +680,10 @@ def build_training_data(
                     mask_l.append(torch.tensor([0] * len(prompt_ids[i]) + [1] * len(resp), dtype=torch.uint8))
                     taps_l.append(tp)
                     hid_l.append(hd)
-                    offsets.append(offsets[-1] + len(seq))
                     pindex.append(i)
             bar.update(len(group))
-        tensors = {
-            "input_ids": torch.cat(ids_l) if ids_l else torch.zeros(0, dtype=torch.int32),
-            "loss_mask": torch.cat(mask_l) if mask_l else torch.zeros(0, dtype=torch.uint8),
-            "taps": torch.cat(taps_l) if taps_l else torch.zeros(0, len(taps) * dim, dtype=torch.bfloat16),
-            "last_hidden": torch.cat(hid_l) if hid_l else torch.zeros(0, dim, dtype=torch.bfloat16),
-            "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
-            "prompt_index": torch.tensor(pindex, dtype=torch.int64),
-        }
-        path = out / _shard_name(k)
-        tmp = out / f".tmp-{path.name}-{os.getpid()}"
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
-                  metadata={"format": f"specbench-traindata-{FORMAT}", "build_key": build_key,
-                            "target_fingerprint": target.fingerprint})
-        os.replace(tmp, path)
+        write_feature_shard(out / _shard_name(k), ids_l, mask_l, taps_l, hid_l, pindex, len(taps) * dim, dim,
+                            build_key, target.fingerprint)
     bar.close()
 
     # 3. manifest (last: its presence marks the build complete)

@@ -1,0 +1,193 @@
+"""specbench.train.corpus: the committed token-id corpus — format, resume after SIGKILL (no shard
+duplicated or lost), and a tiny end-to-end run corpus → features → train → load → decode."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specbench.core import SamplingConfig, generate
+from specbench.dspark_model import load_dspark_drafter
+from specbench.errors import UserError
+from specbench.policies.dspark import DSpark
+from specbench.policy import Policy
+from specbench.train.common import get_budget
+from specbench.train.corpus import build_corpus, features_from_corpus, read_corpus, shard_name
+from specbench.train.data import TrainingData
+from specbench.train.dspark import train
+from test_train_data import IM_END, tiny_target
+
+TESTS = Path(__file__).resolve().parent
+BUILD = dict(shard_prompts=6, max_new_tokens=16, batch_size=4, magpie_fraction=0.5, magpie_max_tokens=24,
+             min_response_tokens=2, eval_texts=[], progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the subprocess uses one thread too: bit-identical shards
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def corpus(target, tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("corpus") / "c"
+    build_corpus(target, out, 10**9, max_shards=3, **BUILD)
+    return out
+
+
+def test_shards_hold_uint16_ids_masks_and_a_manifest(target, corpus):
+    manifest, shards = read_corpus(corpus)
+    assert [s["file"] for s in manifest["shards"]] == [shard_name(k) for k in range(3)]
+    assert manifest["target"]["fingerprint"] == target.fingerprint
+    totals = manifest["totals"]
+    assert totals["n_shards"] == 3 and totals["n_response_tokens"] == sum(
+        s["n_response_tokens"] for s in manifest["shards"]) > 0
+    texts = []
+    for shard, info in zip(shards, manifest["shards"]):
+        assert shard["token_ids"].dtype == np.uint16
+        offs, plen = shard["seq_offsets"], shard["prompt_lengths"]
+        assert offs[0] == 0 and offs[-1] == len(shard["token_ids"]) and np.all(np.diff(offs) > plen)
+        assert info["n_response_tokens"] == int(offs[-1] - plen.sum()) and info["dtype"] == "float32"
+        texts += [t for _, t in shard["prompts"]]
+        # each sequence starts with its prompt as the chat template renders it
+        ids = shard["token_ids"][offs[0]:offs[1]].tolist()
+        text = shard["prompts"][int(shard["prompt_index"][0])][1]
+        prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=True)
+        prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+        assert ids[: plen[0]] == list(prompt)
+    assert len(texts) == len(set(texts)), "a prompt appears in two shards"
+    assert {"magpie", "seed:code"} & set(totals["prompt_sources"])
+
+
+def test_grows_resumes_and_refuses_other_settings(target, corpus, tmp_path):
+    copy = tmp_path / "c"
+    copy.mkdir()
+    for p in corpus.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    kept = (copy / shard_name(0)).stat().st_mtime_ns
+    # killed after the rename, before the manifest listed the shard: adopted, not redone
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][:2]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / ".tmp-shard-00003.safetensors-1").write_bytes(b"half")  # a shard killed mid-write
+    build_corpus(target, copy, 10**9, max_shards=1, **BUILD)
+    assert (copy / shard_name(0)).stat().st_mtime_ns == kept
+    assert not list(copy.glob(".tmp-*"))
+    grown, shards = read_corpus(copy)
+    assert grown["totals"]["n_shards"] == 4
+    assert [s["sha256"] for s in grown["shards"][:3]] == [s["sha256"] for s in read_corpus(corpus)[0]["shards"]]
+    with pytest.raises(UserError, match="other settings"):
+        build_corpus(target, copy, 10**9, max_shards=1, **{**BUILD, "max_new_tokens": 12})
+    (copy / shard_name(1)).write_bytes(b"garbage")
+    with pytest.raises(UserError, match="corrupt"):
+        read_corpus(copy)
+
+
+KILLED_RUN = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {tests!r})
+    torch.set_num_threads(1)
+    import specbench.train.corpus as corpus
+    from test_train_data import tiny_target
+    real_generate, calls = corpus.generate, [0]
+    def announcing_generate(*a, **kw):
+        calls[0] += 1
+        print("generate", calls[0], flush=True)
+        if calls[0] == {hang_at}:
+            time.sleep(600)  # the parent SIGKILLs us here, in the middle of a shard
+        return real_generate(*a, **kw)
+    corpus.generate = announcing_generate
+    corpus.build_corpus(tiny_target(), {out!r}, 10**9, max_shards=3, **{build!r})
+""")
+
+
+def test_sigkill_mid_shard_then_rerun_loses_and_duplicates_nothing(target, corpus, tmp_path):
+    out = tmp_path / "killed"
+    build = {k: v for k, v in BUILD.items()}
+    # generate() calls per shard: magpie batches, then response batches; hang in shard 2's.
+    per_shard = _generate_calls_per_shard(target, tmp_path / "count")
+    hang_at = per_shard[0] + per_shard[1] + 1
+    script = KILLED_RUN.format(tests=str(TESTS), out=str(out), build=build, hang_at=hang_at)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.strip() == f"generate {hang_at}":
+                break
+        time.sleep(0.5)
+        assert proc.poll() is None, "the build finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    partial = json.loads((out / "manifest.json").read_text())
+    assert [s["file"] for s in partial["shards"]] == [shard_name(0), shard_name(1)]
+    build_corpus(target, out, 10**9, max_shards=1, **BUILD)  # the rerun
+    resumed, got = read_corpus(out)
+    _, reference = read_corpus(corpus)
+    assert [s["file"] for s in resumed["shards"]] == [shard_name(k) for k in range(3)]
+    # the same shards as an uninterrupted build, in content (the safetensors header orders its
+    # metadata differently from one process to the next, so file hashes differ)
+    for a, b in zip(got, reference):
+        assert a["prompts"] == b["prompts"]
+        assert all(np.array_equal(a[name], b[name]) for name in a if name != "prompts")
+
+
+def _generate_calls_per_shard(target, out) -> list[int]:
+    import specbench.train.corpus as corpus_module
+
+    counts, real = [], corpus_module.generate
+
+    def counting(*a, **kw):
+        counts[-1] += 1
+        return real(*a, **kw)
+
+    corpus_module.generate = counting
+    try:
+        for k in range(2):
+            counts.append(0)
+            build_corpus(target, out, 10**9, max_shards=1, **BUILD)
+    finally:
+        corpus_module.generate = real
+    return counts
+
+
+def test_corpus_to_drafter_end_to_end(target, corpus, tmp_path):
+    """corpus → recomputed features → a tiny-budget DSpark drafter → loaded → lossless decode."""
+    data_dir = features_from_corpus(target, corpus, tmp_path / "features", [0, 1, 2], progress=False)
+    data = TrainingData(data_dir, target)
+    manifest, shards = read_corpus(corpus)
+    assert len(data) == manifest["totals"]["n_sequences"]
+    first = data.sequence(0)
+    assert first["input_ids"].tolist() == shards[0]["token_ids"][: len(first["input_ids"])].astype(int).tolist()
+    assert int(first["loss_mask"].sum()) == len(first["input_ids"]) - int(shards[0]["prompt_lengths"][0])
+    mtime = (data_dir / "features-00000.safetensors").stat().st_mtime_ns
+    features_from_corpus(target, corpus, data_dir, [0, 1, 2], progress=False)  # kept, not recomputed
+    assert (data_dir / "features-00000.safetensors").stat().st_mtime_ns == mtime
+
+    budget = get_budget("tiny", anchors=8, block_size=4, markov_rank=8, steps=20)
+    train(target, data, tmp_path / "dspark", budget=budget, seed=0, policy="dspark", progress=False)
+    drafter = load_dspark_drafter(str(tmp_path / "dspark"), target)
+    prompts = [shards[0]["token_ids"][: int(shards[0]["prompt_lengths"][0])].astype(int).tolist()] * 2
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    ar = generate(target.model, Policy(), prompts, cfg, [IM_END])
+    spec = generate(target.model, DSpark(drafter, scheduler="fixed"), prompts, cfg, [IM_END])
+    assert [r.output_ids for r in spec.requests] == [r.output_ids for r in ar.requests]
+    assert sum(r.drafted for r in spec.requests) > 0
