@@ -1,10 +1,10 @@
 """pytest-benchmark microbenchmarks of the decode core's hot paths (not tests: kept out of the
 default `python -m pytest`, whose testpaths is tests/ and whose addopts has --benchmark-skip).
 
-  chain verify   specbench.verify.verify_chain, b=16, K=8, V=49152: greedy (one-hot drafts) and
+  chain verify   specbench.engine.verify.verify_chain, b=16, K=8, V=49152: greedy (one-hot drafts) and
                  sampled drafts (the rejection sampler: accept min(1, p/q), residual, bonus)
-  tree verify    specbench.verify.verify_tree, b=4, 24-node trees, V=49152 (chosen siblings)
-  scheduler      specbench.scheduler.algorithm1_lengths, R=64 requests, γ=7 (packed and padded)
+  tree verify    specbench.engine.verify.verify_tree, b=4, 24-node trees, V=49152 (chosen siblings)
+  scheduler      specbench.policies.scheduler.algorithm1_lengths, R=64 requests, γ=7 (packed and padded)
   forward        the default target's verify forward (q = 1 + 8 at 256 cached tokens, b = 1, 4),
                  only when the converted model is already in the cache (skipped otherwise)
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbench.scheduler import algorithm1_lengths
-from specbench.verify import verify_chain, verify_tree
+from specbench.policies.scheduler import algorithm1_lengths
+from specbench.engine.verify import verify_chain, verify_tree
 
 V = 49152
 
@@ -91,13 +91,13 @@ def test_algorithm1_lengths(benchmark, padded):
 
 
 def _cached_default_model():
-    from specbench.cli import DEFAULT_TARGET
-    from specbench.loading import default_cache_dir
+    from specbench.cli.main import DEFAULT_TARGET
+    from specbench.engine.loading import default_cache_dir
 
     manifest = default_cache_dir() / "models" / DEFAULT_TARGET / "manifest.json"
     if not manifest.is_file():
         pytest.skip(f"default model {DEFAULT_TARGET} not converted yet (run any specbench command once)")
-    from specbench.loading import load_model
+    from specbench.engine.loading import load_model
 
     return load_model(DEFAULT_TARGET)
 
@@ -110,7 +110,7 @@ def default_model():
 @pytest.mark.model
 @pytest.mark.parametrize("batch", [1, 4])
 def test_default_model_verify_forward(benchmark, default_model, batch):
-    from specbench.core import forward_new_tokens, round_up, KV_BUCKET
+    from specbench.engine.core import forward_new_tokens, round_up, KV_BUCKET
 
     model = default_model.model
     context, q = 256, 9  # anchor + 8 drafts

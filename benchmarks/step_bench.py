@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import specbench.model as model_module  # noqa: E402
-from specbench.core import synchronize  # noqa: E402
-from specbench.cuda_graphs import enable_cuda_graphs  # noqa: E402
-from specbench.model import ModelArgs, Transformer  # noqa: E402
-from specbench.profile import time_forward  # noqa: E402
+import specbench.engine.model as model_module  # noqa: E402
+from specbench.engine.core import synchronize  # noqa: E402
+from specbench.engine.cuda_graphs import enable_cuda_graphs  # noqa: E402
+from specbench.engine.model import ModelArgs, Transformer  # noqa: E402
+from specbench.costs.profile import time_forward  # noqa: E402
 
 SHAPES = {
     # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
@@ -116,8 +116,8 @@ def hf_generate_tokens_per_s(model: Transformer, device: str, dtype, new_tokens:
 
 def core_generate_tokens_per_s(model: Transformer, new_tokens: int, context: int) -> float:
     """Our whole AR decode loop (sampling, commit, bookkeeping included) at b = 1, greedy."""
-    from specbench.core import SamplingConfig, generate
-    from specbench.policy import Policy
+    from specbench.engine.core import SamplingConfig, generate
+    from specbench.engine.policy import Policy
 
     prompt = torch.randint(0, model.args.vocab_size, (context,)).tolist()
     generate(model, Policy(), [prompt], SamplingConfig(max_new_tokens=4))  # warm-up / graph capture
@@ -127,7 +127,7 @@ def core_generate_tokens_per_s(model: Transformer, new_tokens: int, context: int
 
 def fold_exactness(model: Transformer, batch: int, q: int, context: int) -> float:
     """Max relative difference of logits between the folded and the plain attention path."""
-    from specbench.core import forward_new_tokens
+    from specbench.engine.core import forward_new_tokens
 
     tokens = torch.randint(0, model.args.vocab_size, (batch, q), device=model.device)
     cache = torch.full((batch,), context, dtype=torch.long, device=model.device)
@@ -163,7 +163,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     if args.real_weights:
-        from specbench.loading import load_model
+        from specbench.engine.loading import load_model
 
         model = load_model("smollm2-135m", device=args.device, dtype=dtype).model
     else:

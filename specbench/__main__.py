@@ -1,3 +1,3 @@
-from specbench.cli import main
+from specbench.cli.main import main
 
 raise SystemExit(main())

@@ -11,6 +11,6 @@ import pytest  # noqa: E402
 def default_model():
     """The embedded default target (SmolLM2-135M-Instruct, fp32 CPU); the first run converts the
     GGUF into the cache (~25 s), later runs load it in about a second."""
-    from specbench.loading import load_model
+    from specbench.engine.loading import load_model
 
     return load_model("smollm2-135m")

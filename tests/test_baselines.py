@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specbench.core import SamplingConfig
+from specbench.engine.core import SamplingConfig
 from specbench.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def setup():
-    from specbench.loading import load_model
-    from specbench.workloads import load_workload, render_prompt
+    from specbench.engine.loading import load_model
+    from specbench.bench.workloads import load_workload, render_prompt
 
     target = load_model("smollm2-135m")
     wl = load_workload("code", limit=2)
@@ -29,7 +29,7 @@ def setup():
 
 @pytest.fixture(scope="module")
 def ar_outputs(setup):
-    from specbench.runner import make_engine
+    from specbench.bench.runner import make_engine
 
     target, prompts = setup
     ar = make_engine("ar", target)
@@ -39,7 +39,7 @@ def ar_outputs(setup):
 
 @pytest.mark.slow
 def test_hf_greedy_equals_ar(setup, ar_outputs):
-    from specbench.runner import make_engine
+    from specbench.bench.runner import make_engine
 
     target, prompts = setup
     hf = make_engine("hf", target)
@@ -54,7 +54,7 @@ def test_hf_greedy_equals_ar(setup, ar_outputs):
 
 
 def test_hf_pld_b1_counts_and_equals_ar(setup, ar_outputs):
-    from specbench.runner import make_engine
+    from specbench.bench.runner import make_engine
 
     target, prompts = setup
     e = make_engine("hf-pld", target)

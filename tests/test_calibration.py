@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specbench.calibration import auc, calibration_table, expected_calibration_error, fit_sts
+from specbench.policies.calibration import auc, calibration_table, expected_calibration_error, fit_sts
 
 
 def simulated_rollouts(n=20000, gamma=4, true_scale=(0.5, 2.0, 1.0, 0.7), seed=0):
@@ -40,7 +40,7 @@ def test_ece_and_auc_basics():
 def test_calibration_from_run_traces_matches_rollout_table():
     """The report's held-out table, from records' traces (calibrated confidences + the STS
     temperatures), equals the table computed from the raw logits directly."""
-    from specbench.calibration import calibration_from_traces
+    from specbench.policies.calibration import calibration_from_traces
 
     logits, verified, accepted = simulated_rollouts(n=3000)
     temps = fit_sts(logits, verified, accepted)
@@ -63,7 +63,7 @@ def test_ece_change_interval_resamples_requests():
     accident, over- and under-confidence cancelling, so they need not improve). Fitting on
     the same data the interval is scored on would be cheating, so the fit comes from other rollouts;
     a head that is already calibrated (temperatures 1) gives a change of exactly 0."""
-    from specbench.calibration import calibration_from_traces
+    from specbench.policies.calibration import calibration_from_traces
 
     temps = fit_sts(*simulated_rollouts(n=6000, seed=1))
     logits, verified, accepted = simulated_rollouts(n=3000, seed=2)
@@ -85,7 +85,7 @@ def test_sts_file_per_temperature_and_nearest_fit(tmp_path):
 
     import pytest
 
-    from specbench.calibration import load_sts, nearest_fit, sts_for
+    from specbench.policies.calibration import load_sts, nearest_fit, sts_for
     from specbench.errors import UserError
 
     path = tmp_path / "calibration.json"

@@ -11,8 +11,8 @@ from unittest import mock
 
 import pytest
 
-from specbench import cli
-from specbench.cli import main, parse_scalar
+from specbench.cli import main as cli
+from specbench.cli.main import main, parse_scalar
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -31,7 +31,7 @@ def no_model(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("specbench.loading.load_model", boom)
+    monkeypatch.setattr("specbench.engine.loading.load_model", boom)
 
 
 def _one_error_line(capsys, rc, *needles):
@@ -206,7 +206,7 @@ def test_list(capsys):
 def test_report_wiring(tmp_path, capsys):
     res = tmp_path / "records.jsonl"
     res.write_text("{}\n")
-    with mock.patch("specbench.report.write_report") as wr:
+    with mock.patch("specbench.analysis.report.write_report") as wr:
         assert main(["report", str(res), "--html", str(tmp_path / "a.html"), "--pdf", str(tmp_path / "a.pdf")]) == 0
         wr.assert_called_once_with(res, html_path=str(tmp_path / "a.html"), pdf_path=str(tmp_path / "a.pdf"))
         assert main(["report", str(tmp_path)]) == 0

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from specbench.core import SamplingConfig, generate
-from specbench.registry import build_policy
-from specbench.workloads import load_workload, render_prompt
+from specbench.engine.core import SamplingConfig, generate
+from specbench.policies.registry import build_policy
+from specbench.bench.workloads import load_workload, render_prompt
 
 pytestmark = pytest.mark.model
 

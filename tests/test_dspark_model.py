@@ -1,4 +1,4 @@
-"""specbench.dspark_model: the DSpark / DFlash drafter (reference/dspark.md §2–§3) on tiny models.
+"""specbench.drafters.dspark: the DSpark / DFlash drafter (reference/dspark.md §2–§3) on tiny models.
 
 Training-time block forward = inference path; attention visibility; exact sampling distributions;
 the confidence head never sees the token it scores; Markov rank 0 is DFlash."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbench.dspark_model import DSparkArgs, DSparkDrafter, build_drafter
-from specbench.model import RMSNorm
-from specbench.sampling import make_generator, probs_from_logits
+from specbench.drafters.dspark import DSparkArgs, DSparkDrafter, build_drafter
+from specbench.engine.model import RMSNorm
+from specbench.engine.sampling import make_generator, probs_from_logits
 from tiny import tiny_model
 
 TAPS = [0, 1, 2]

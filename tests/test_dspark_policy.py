@@ -9,10 +9,10 @@ import zlib
 import pytest
 import torch
 
-from specbench.core import SamplingConfig, generate
-from specbench.dspark_model import DSparkArgs, build_drafter
+from specbench.engine.core import SamplingConfig, generate
+from specbench.drafters.dspark import DSparkArgs, build_drafter
 from specbench.policies.dspark import DSpark
-from specbench.policy import Policy
+from specbench.engine.policy import Policy
 from test_lossless import N_SAMPLES, N_TOKENS, SMALL_VOCAB, chi_square, exact_joint
 from tiny import random_prompts, tiny_model
 

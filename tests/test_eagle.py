@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import specbench.core as core
-from specbench.core import SamplingConfig, forward_new_tokens, generate
-from specbench.eagle_model import EagleArgs, build_head, load_eagle_head
+import specbench.engine.core as core
+from specbench.engine.core import SamplingConfig, forward_new_tokens, generate
+from specbench.drafters.eagle import EagleArgs, build_head, load_eagle_head
 from specbench.errors import UserError
-from specbench.model import ModelArgs
+from specbench.engine.model import ModelArgs
 from specbench.policies.eagle import Eagle
-from specbench.policy import BatchState, Policy
-from specbench.registry import build_policy, read_spec
+from specbench.engine.policy import BatchState, Policy
+from specbench.policies.registry import build_policy, read_spec
 from specbench.train.common import get_budget
 from specbench.train.data import TrainingData, build_training_data
 from specbench.train.eagle import evaluate, options, train
@@ -100,7 +100,7 @@ def test_smollm2_head_size():
     smol = ModelArgs(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536)
     args = EagleArgs.for_target(smol, [1, 14, 27])
     with torch.device("meta"):
-        from specbench.eagle_model import EagleHead
+        from specbench.drafters.eagle import EagleHead
 
         head = EagleHead(args, torch.empty(49152, 576), torch.empty(49152, 576))
     n = head.num_parameters()
@@ -384,7 +384,7 @@ def test_same_seed_bit_identical_and_resume(target, data, tmp_path):
 @pytest.mark.model
 @pytest.mark.slow  # ~50 s on the 2-core CPU
 def test_greedy_identity_default_model(default_model):
-    from specbench.workloads import load_workload, render_prompt
+    from specbench.bench.workloads import load_workload, render_prompt
 
     prompts = []
     for name in ("code", "chat"):

@@ -1,4 +1,4 @@
-"""specbench.loading on tiny random checkpoints (no downloads, no default model)."""
+"""specbench.engine.loading on tiny random checkpoints (no downloads, no default model)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from specbench.errors import UserError
-from specbench.loading import load_hf_reference, load_model, save_state_dict
+from specbench.engine.loading import load_hf_reference, load_model, save_state_dict
 
 VOCAB = 96
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}" \

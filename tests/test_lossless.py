@@ -14,12 +14,12 @@ import pytest
 import torch
 from scipy import stats
 
-import specbench.core as core
-from specbench.core import SamplingConfig, generate
+import specbench.engine.core as core
+from specbench.engine.core import SamplingConfig, generate
 from specbench.policies.fixed_k import FixedK
 from specbench.policies.pld import PromptLookup
-from specbench.policy import Policy
-from specbench.sampling import probs_from_logits, sample
+from specbench.engine.policy import Policy
+from specbench.engine.sampling import probs_from_logits, sample
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from specbench.loading import load_hf_reference, load_model
+from specbench.engine.loading import load_hf_reference, load_model
 
 pytestmark = pytest.mark.model
 

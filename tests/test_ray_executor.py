@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from specbench.errors import UserError
-from specbench.runner import PolicyEngine, read_records, run_sweep
+from specbench.bench.runner import PolicyEngine, read_records, run_sweep
 
 ray = pytest.importorskip("ray")
 
-from specbench.ray_executor import import_ray, run_sweep_ray  # noqa: E402
+from specbench.bench.ray_executor import import_ray, run_sweep_ray  # noqa: E402
 from test_runner import make_target, make_workload  # noqa: E402
 
 POLICIES = [("ar", {}), ("pld", {"k": 3})]
@@ -26,7 +26,7 @@ def load_tiny():  # runs in the Ray workers (this file is importable there: PYTH
 
 def tiny_engine(name, target, overrides):
     from specbench.policies.pld import PromptLookup
-    from specbench.policy import Policy
+    from specbench.engine.policy import Policy
 
     if name not in ("ar", "pld"):
         raise UserError(f"unknown policy {name!r}")
@@ -91,7 +91,7 @@ def test_one_line_error_without_ray(monkeypatch):
 
 
 def test_cli_flags_are_checked_before_anything_runs(tmp_path, capsys):
-    from specbench.cli import main
+    from specbench.cli.main import main
 
     base = ["sweep", "--policies", "ar", "--workloads", "code", "--limit", "1", "--out", str(tmp_path / "s")]
     for extra, needle in ((["--ray-address", "auto"], "needs --executor ray"),

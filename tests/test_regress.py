@@ -1,7 +1,7 @@
-"""CI regression gate (specbench.regress): A/A false alarms, an injected per-round delay, a worse
+"""CI regression gate (specbench.analysis.regress): A/A false alarms, an injected per-round delay, a worse
 drafter caught through τ, the table, exit codes, bad input, the cost model, A/A calibration.
 
-Runs use tiny random models through the real runner (specbench.runner.run_sweep: ar and the
+Runs use tiny random models through the real runner (specbench.bench.runner.run_sweep: ar and the
 policy interleaved per prompt, records in the docs/records.md schema) with a character tokenizer.
 The A/A and injected-slowdown counts are printed (run with -s; docs/regress.md quotes them).
 
@@ -34,13 +34,13 @@ import torch
 
 import fakerecords
 from fakerecords import make_records, write_records
-from specbench import regress
-from specbench.core import SamplingConfig, generate
+from specbench.analysis import regress
+from specbench.engine.core import SamplingConfig, generate
 from specbench.errors import UserError
-from specbench.regress import REGRESSED, calibrate_tolerance, compare, format_table, write_aa
-from specbench.registry import build_policy
-from specbench.runner import PolicyEngine, run_sweep
-from specbench.workloads import Request, Workload, render_prompt
+from specbench.analysis.regress import REGRESSED, calibrate_tolerance, compare, format_table, write_aa
+from specbench.policies.registry import build_policy
+from specbench.bench.runner import PolicyEngine, run_sweep
+from specbench.bench.workloads import Request, Workload, render_prompt
 from tiny import random_prompts, tiny_model
 
 VOCAB, EOS = 64, 2
@@ -366,10 +366,9 @@ def test_table_names_regressed_cells_and_exit_codes(tmp_path, capsys):
 
 
 def test_through_specbench_cli_when_wired(tmp_path):
-    from specbench import cli
-
+    from specbench.cli import main as cli
     if "regress" not in getattr(cli, "COMMANDS", {}):
-        pytest.skip("regress is not wired into specbench.cli yet")
+        pytest.skip("regress is not wired into specbench.cli.main yet")
     base = _fake_run(tmp_path / "base")
     worse = _slowed(base, tmp_path / "worse", tau_factor=0.8)
     assert cli.main(["regress", "--baseline", str(base), "--current", str(base)]) == 0

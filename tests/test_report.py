@@ -1,4 +1,4 @@
-"""Tests for specbench.report: self-contained HTML that renders in headless Chromium, a PDF
+"""Tests for specbench.analysis.report: self-contained HTML that renders in headless Chromium, a PDF
 that renders with pdftoppm, atomic writes.
 
 Binaries (Debian): apt-get install -y chromium poppler-utils. The rendering tests skip, with
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from specbench import report
+from specbench.analysis import report
 from specbench.errors import UserError
 
 from fakerecords import make_records, write_records
@@ -182,7 +182,7 @@ def test_pareto_survives_an_interval_that_excludes_its_point():
     figure draws, it does not raise on a negative error-bar length."""
     import pandas as pd
 
-    from specbench.report import _colors, fig_pareto
+    from specbench.analysis.report import _colors, fig_pareto
 
     summary = pd.DataFrame([
         {"workload": "code", "temperature": 0.0, "policy": "ar", "batch_size": 16, "throughput": 78.1,
@@ -200,7 +200,7 @@ def test_calibration_tables_one_per_temperature_with_its_fit():
     import numpy as np
     import pandas as pd
 
-    from specbench.report import calibration_tables
+    from specbench.analysis.report import calibration_tables
 
     rng = np.random.default_rng(0)
     fits = {"0": [0.5, 2.0], "1": [1.5, 1.0]}
@@ -227,7 +227,7 @@ def test_breakeven_table_does_not_call_unpaired_cells_no_difference():
     significant difference'."""
     import pandas as pd
 
-    from specbench.report import breakeven_table
+    from specbench.analysis.report import breakeven_table
 
     summary = pd.DataFrame([
         {"workload": "code", "temperature": 0.0, "policy": "ar", "batch_size": 1, "n": 0, "speedup": float("nan"), "significant": False},

@@ -16,9 +16,9 @@ import pytest
 
 from specbench.errors import UserError
 from specbench.policies.pld import PromptLookup
-from specbench.policy import Policy
-from specbench.runner import (PolicyEngine, derive_seed, read_records, record_key, run_cell, run_sweep)
-from specbench.workloads import Request, Workload
+from specbench.engine.policy import Policy
+from specbench.bench.runner import (PolicyEngine, derive_seed, read_records, record_key, run_cell, run_sweep)
+from specbench.bench.workloads import Request, Workload
 from tiny import tiny_model
 
 VOCAB = 64
@@ -221,8 +221,8 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     torch.set_num_threads(1)
     from test_runner import make_target, make_workload, engines
-    from specbench.runner import run_sweep
-    import specbench.runner as runner
+    from specbench.bench.runner import run_sweep
+    import specbench.bench.runner as runner
 
     target = make_target(dim=64, layers=2)
     eng = engines(target)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from specbench.scheduler import (algorithm1_lengths, capacity_lengths, fixed_lengths, prefix_survival,
+from specbench.policies.scheduler import (algorithm1_lengths, capacity_lengths, fixed_lengths, prefix_survival,
                                  sps_from_table, threshold_lengths)
-from specbench.verify import verify_chain
+from specbench.engine.verify import verify_chain
 
 APPENDIX_A_SPS = sps_from_table({1: 1.0, 2: 0.5, 3: 0.45})
 

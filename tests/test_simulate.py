@@ -1,4 +1,4 @@
-"""specbench.simulate: replaying recorded traces against a cost profile.
+"""specbench.analysis.simulate: replaying recorded traces against a cost profile.
 
 Synthetic traces check the arithmetic (AR throughput = rows / step time, static vs continuous
 batching, recorded rounds replayed as recorded, prefill and whole-round costs, the acceptance rule
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from specbench import simulate
-from specbench.cli import main
-from specbench.runner import PolicyEngine, read_records, run_sweep
+from specbench.analysis import simulate
+from specbench.cli.main import main
+from specbench.bench.runner import PolicyEngine, read_records, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES, QS = (1, 2, 4, 8, 16), (1, 2, 4, 8)
@@ -144,7 +144,7 @@ def test_dspark_draws_beyond_the_recorded_verify_length(tmp_path):
 
 
 def test_profile_times_whole_rounds_and_prefill():
-    from specbench import profile as profiles
+    from specbench.costs import profile as profiles
     from tiny import tiny_model
 
     model = tiny_model()
@@ -165,7 +165,7 @@ def test_profile_times_whole_rounds_and_prefill():
 @pytest.mark.parametrize("scheduler,gate", [("algorithm1", True), ("capacity", False)])
 def test_dspark_replay_reproduces_the_run(tmp_path, scheduler, gate):
     from specbench.policies.dspark import DSpark
-    from specbench.profile import draft_time_model, step_time_model
+    from specbench.costs.profile import draft_time_model, step_time_model
     from test_dspark_policy import make_drafter
     from test_runner import make_target, make_workload
 
@@ -227,8 +227,7 @@ def test_a_profile_from_another_device_works(tmp_path):
 def test_report_draws_the_simulation(tmp_path):
     import shutil
 
-    from specbench import report
-
+    from specbench.analysis import report
     shutil.copy(REPO / "results/sweeps/simcheck/records.jsonl", tmp_path / "records.jsonl")
     rows = simulate.simulate(tmp_path, REPO / "results/profiles/smollm2-135m-amd-epyc-x1-threads.json", [1, 4, 16],
                              simulate.MODES)

@@ -1,4 +1,4 @@
-"""Tests for specbench.stats: pairing, CIs (coverage), tests vs scipy, Holm, acceptance."""
+"""Tests for specbench.analysis.stats: pairing, CIs (coverage), tests vs scipy, Holm, acceptance."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from scipy import stats as st
 
-from specbench import stats
+from specbench.analysis import stats
 from specbench.errors import UserError
 
 from fakerecords import make_records, write_records

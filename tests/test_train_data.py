@@ -9,9 +9,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from specbench.core import forward_new_tokens
+from specbench.engine.core import forward_new_tokens
 from specbench.errors import UserError
-from specbench.loading import LoadedModel
+from specbench.engine.loading import LoadedModel
 from specbench.train.data import (ChatFormat, EvalOverlap, PromptFilter, TrainingData, build_training_data,
                                   default_tap_layers, eval_prompt_texts, seed_prompts)
 from tiny import tiny_model
@@ -196,7 +196,7 @@ def test_prompts_do_not_overlap_eval_workloads(built):
     assert {s for s, _ in seeds} == {"seed:code", "seed:chat", "seed:math"}
     assert not any(overlap.overlaps(t) for _, t in seeds)
     # the check catches eval prompts, lightly edited ones included
-    from specbench.workloads import load_workload
+    from specbench.bench.workloads import load_workload
     mt = load_workload("chat").requests[0].turns[0]
     he = load_workload("code").requests[5].turns[0]
     assert overlap.overlaps(mt) and overlap.overlaps("Please help: " + mt.upper())

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specbench.core import SamplingConfig, generate
-from specbench.drafters import load_draft_lm
+from specbench.engine.core import SamplingConfig, generate
+from specbench.drafters.checkpoints import load_draft_lm
 from specbench.errors import UserError
 from specbench.policies.fixed_k import FixedK
-from specbench.train import cli, draft_lm
+from specbench.cli import train as cli
+from specbench.train import draft_lm
 from specbench.train.common import BUDGETS, LoopConfig, batch_indices, get_budget, lr_at, save_drafter
 from specbench.train.data import TrainingData, build_training_data
 from test_train_data import tiny_target
@@ -84,7 +85,7 @@ def test_causal_forward_matches_cached_forward(target):
     with torch.no_grad():
         hidden = draft_lm.causal_forward(draft, tokens)
         draft.setup_cache(2, 64)
-        from specbench.core import forward_new_tokens
+        from specbench.engine.core import forward_new_tokens
         _, _, ref = forward_new_tokens(draft, tokens, torch.zeros(2, dtype=torch.long))
     torch.testing.assert_close(hidden, ref, rtol=1e-5, atol=1e-5)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from specbench.dspark_model import DSparkArgs, build_drafter, load_dspark_drafter
+from specbench.drafters.dspark import DSparkArgs, build_drafter, load_dspark_drafter
 from specbench.errors import UserError
 from specbench.train.common import get_budget
 from specbench.train.data import TrainingData, build_training_data
@@ -256,8 +256,8 @@ def test_calibrate_fits_each_sampling_temperature(target, data, trained, tmp_pat
     rollouts on the validation split; build_dspark then uses the fit for each batch's temperature."""
     import shutil
 
-    from specbench.calibrate import calibrate, held_out_prompts
-    from specbench.registry import build_dspark
+    from specbench.policies.calibrate import calibrate, held_out_prompts
+    from specbench.policies.registry import build_dspark
 
     path = tmp_path / "drafter"
     shutil.copytree(trained["dspark"][0], path)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import specbench.core as core
-from specbench.core import SamplingConfig, generate, tree_layout
-from specbench.policy import Policy
-from specbench.sampling import sample
+import specbench.engine.core as core
+from specbench.engine.core import SamplingConfig, generate, tree_layout
+from specbench.engine.policy import Policy
+from specbench.engine.sampling import sample
 from test_lossless import N_TOKENS, chi_square, exact_joint, sampled_counts
 from tiny import random_prompts, tiny_model
 from tree_policy import TreeDraft

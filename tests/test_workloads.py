@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specbench.errors import UserError
-from specbench.workloads import (
+from specbench.bench.workloads import (
     WORKLOADS_DIR,
     Request,
     Workload,

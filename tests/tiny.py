@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.model import ModelArgs, Transformer
+from specbench.engine.model import ModelArgs, Transformer
 
 
 def tiny_model(vocab: int = 64, dim: int = 32, layers: int = 2, seed: int = 0, scale: float = 1.0,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from specbench.core import forward_new_tokens
-from specbench.policy import BatchState, Draft, Policy
-from specbench.sampling import probs_from_logits, sample
+from specbench.engine.core import forward_new_tokens
+from specbench.engine.policy import BatchState, Draft, Policy
+from specbench.engine.sampling import probs_from_logits, sample
 
 
 class TreeDraft(Policy):

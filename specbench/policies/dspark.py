@@ -8,7 +8,7 @@ Per round (reference/dspark.md §4.5, §8):
             to right from the exact bias-corrected distributions; the confidence head scores each
             position (conditional acceptance, computed from x_{<k} only), calibrated by the STS
             temperatures stored with the drafter;
-  schedule  per-row verify lengths ℓ_r from a scheduler (specbench/scheduler.py): fixed ℓ = γ,
+  schedule  per-row verify lengths ℓ_r from a scheduler (specbench/policies/scheduler.py): fixed ℓ = γ,
             the repo's static threshold, Algorithm 1 (global greedy by prefix survival maximising
             E[tokens]·SPS(B) on this device's measured cost profile, with the early stop that keeps
             it lossless), or the production capacity variant (K from confidences two rounds old);
@@ -32,10 +32,10 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from specbench.calibration import nearest_fit
-from specbench.core import KV_BUCKET, round_up
-from specbench.policy import BatchState, Draft, Policy
-from specbench.scheduler import (algorithm1_lengths, best_capacity, capacity_lengths, fixed_lengths,
+from specbench.policies.calibration import nearest_fit
+from specbench.engine.core import KV_BUCKET, round_up
+from specbench.engine.policy import BatchState, Draft, Policy
+from specbench.policies.scheduler import (algorithm1_lengths, best_capacity, capacity_lengths, fixed_lengths,
                                  threshold_lengths)
 
 SCHEDULERS = ("fixed", "threshold", "algorithm1", "capacity")

@@ -1,7 +1,7 @@
 """EAGLE: a trained one-layer head drafting from the target's own features (anchors.md §2), as a
 chain (EAGLE-1/3 style, depth K) or as an EAGLE-2 dynamic draft tree, verified in one target pass.
 
-Per row the head keeps its own KV cache over the committed sequence (specbench.eagle_model:
+Per row the head keeps its own KV cache over the committed sequence (specbench.drafters.eagle:
 entry t = (target taps f_t, token x_{t+1}) at rope position t). `begin` fills it with the prompt's
 features; `observe` appends the round's newly committed entries with the *target's* features
 (verify_features rows [anchor, accepted...], which the core hands over), so the head never drafts
@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specbench.eagle_model import KV_BUCKET, EagleHead
-from specbench.policy import BatchState, Draft, Policy
-from specbench.sampling import probs_from_logits, sample
+from specbench.drafters.eagle import KV_BUCKET, EagleHead
+from specbench.engine.policy import BatchState, Draft, Policy
+from specbench.engine.sampling import probs_from_logits, sample
 
 MODES = ("tree", "chain")
 
@@ -188,7 +188,7 @@ class Eagle(Policy):
 
 def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str = "tree", depth: int = 5,
                 top_k: int = 10, total_tokens: int = 60, draft_vocab: int = 0) -> Policy:
-    from specbench.eagle_model import load_eagle_head
+    from specbench.drafters.eagle import load_eagle_head
 
     return Eagle(load_eagle_head(drafter, target), mode=mode, depth=depth, top_k=top_k,
                  total_tokens=total_tokens, draft_vocab=draft_vocab, drafter=drafter)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specbench.core import forward_new_tokens, round_up, KV_BUCKET
-from specbench.model import Transformer
-from specbench.policy import BatchState, Draft, Policy
-from specbench.sampling import probs_from_logits, sample
+from specbench.engine.core import forward_new_tokens, round_up, KV_BUCKET
+from specbench.engine.model import Transformer
+from specbench.engine.policy import BatchState, Draft, Policy
+from specbench.engine.sampling import probs_from_logits, sample
 
 
 class FixedK(Policy):

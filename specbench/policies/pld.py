@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.policy import BatchState, Draft, Policy
+from specbench.engine.policy import BatchState, Draft, Policy
 
 
 def lookup(sequence: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:

@@ -9,10 +9,10 @@
   states, loss history; atomic), and resume from them: on CPU an interrupted-then-resumed run
   ends bit-identical to an uninterrupted one. Writes `<out>/loss_history.json`; tqdm bar.
 * `save_drafter`: bf16 safetensors shards ≤ 16 MB + `drafter.json` (what
-  `specbench.drafters.read_checkpoint` reads), never the target's embedding / lm_head.
+  `specbench.drafters.checkpoints.read_checkpoint` reads), never the target's embedding / lm_head.
 * `plot_loss_curve`, `write_training_card`.
 
-Trainer contract (what `specbench.train.cli` calls, for every policy):
+Trainer contract (what `specbench.cli.train` calls, for every policy):
 
     train(target: LoadedModel, data: TrainingData, out_dir: Path, *, budget: dict, seed: int,
           resume: bool = False, progress: bool = True, policy: str) -> TrainResult

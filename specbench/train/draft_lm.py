@@ -12,7 +12,7 @@ Loss, on every position t whose next token t+1 is a response token (loss_mask[t+
   + kl_weight · KL(p_target,t ‖ p_draft,t)                     both at temperature 1
 where the target's logits are recomputed as lm_head(last_hidden[t]) from the feature cache.
 
-Output: a `draft-lm` checkpoint (`specbench.drafters.load_draft_lm(path, target)` loads it).
+Output: a `draft-lm` checkpoint (`specbench.drafters.checkpoints.load_draft_lm(path, target)` loads it).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specbench.model import ModelArgs, Transformer, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.engine.model import ModelArgs, Transformer, apply_rope, rope_cos_sin, rope_inv_freq
 from specbench.train.common import (CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
                                     save_drafter)
 from specbench.train.data import TrainingData

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specbench.dspark_model import KINDS, DSparkArgs, DSparkDrafter, build_drafter, load_dspark_drafter
+from specbench.drafters.dspark import KINDS, DSparkArgs, DSparkDrafter, build_drafter, load_dspark_drafter
 from specbench.train.common import CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training, save_drafter
 from specbench.train.eagle import vocab_rank
 
@@ -200,7 +200,7 @@ def evaluate(drafter: DSparkDrafter, data, indices, batch_size: int, n_anchors: 
 
 
 # ---------------------------------------------------------------------------------------------
-# The trainer (specbench.train.cli contract)
+# The trainer (specbench.cli.train contract)
 
 
 def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = False, progress: bool = True,

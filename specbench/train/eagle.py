@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specbench.eagle_model import KIND, EagleArgs, EagleHead, build_head, load_eagle_head
+from specbench.drafters.eagle import KIND, EagleArgs, EagleHead, build_head, load_eagle_head
 from specbench.train.common import (BUDGETS, CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
                                     save_drafter)
 

@@ -6,7 +6,7 @@ performance doc quotes it.
 Timing: the median over `iters` forwards after `warmup` untimed ones, each bracketed by a device
 synchronize (CUDA work is asynchronous; reading the clock without it times the launch, not the work).
 
-`specbench profile` also measures two engine costs the simulator (specbench/simulate.py) needs and
+`specbench profile` also measures two engine costs the simulator (specbench/analysis/simulate.py) needs and
 the bare forward grid leaves out: `prefill` (one forward over right-padded prompts from an empty
 cache, rows × prompt tokens) and `round` (one whole decode round of the core, the same (b, q)
 grid: verify forward + sampling + acceptance + commit + the loop's own Python). On the 2-core CPU a
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from specbench.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
-from specbench.model import Transformer
-from specbench.policy import BatchState, Draft, Policy
+from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
+from specbench.engine.model import Transformer
+from specbench.engine.policy import BatchState, Draft, Policy
 
 
 @torch.inference_mode()
@@ -192,7 +192,7 @@ def save(profile_data: dict, path: str | Path) -> None:
 
 PROFILE_BATCHES = (1, 2, 4, 8, 16)
 PROFILE_QS = (1, 2, 4, 8)
-REPO_PROFILES = Path(__file__).resolve().parent.parent / "results" / "profiles"
+REPO_PROFILES = Path(__file__).resolve().parents[2] / "results" / "profiles"
 
 
 def device_name(device: torch.device) -> str:
@@ -271,7 +271,7 @@ def drafter_digest(drafter_name: str | None) -> str:
     retrained or reshaped drafter under the same path is measured again rather than looked up."""
     import hashlib
 
-    from specbench.drafters import CONFIG_NAME, resolve_checkpoint
+    from specbench.drafters.checkpoints import CONFIG_NAME, resolve_checkpoint
 
     try:
         text = (resolve_checkpoint(drafter_name) / CONFIG_NAME).read_bytes()
@@ -286,7 +286,7 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
     data = load_or_measure_target(target, cache_dir)
     if drafter is None:
         return data
-    from specbench.loading import default_cache_dir
+    from specbench.engine.loading import default_cache_dir
 
     key = f"{drafter_name}@{drafter_digest(drafter_name)}|{device_name(target.model.device)}"
     cache = (cache_dir or default_cache_dir()) / "profiles" / "drafters.json"
@@ -307,7 +307,7 @@ def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
     """This device's cost profile for `target`: a committed one (results/profiles/) or a cached one
     for the same target fingerprint, device name and dtype, else measured now (tens of seconds
     on a CPU) and cached."""
-    from specbench.loading import default_cache_dir
+    from specbench.engine.loading import default_cache_dir
 
     device = target.model.device
     wanted = (target.fingerprint, device_name(device), str(target.model.lm_head.weight.dtype))

@@ -8,7 +8,7 @@ rules and the measured A/A and injected-slowdown numbers.
 
 Cells are (workload, batch_size, temperature, policy ≠ ar) present in both runs. The paired unit
 is the prompt: per (prompt_id, turn) values are averaged over repeats (and seeds), then over a
-prompt's turns, as in :mod:`specbench.stats`. Per cell, four metrics:
+prompt's turns, as in :mod:`specbench.analysis.stats`. Per cell, four metrics:
 
 * ``tau`` (mean tokens per round) and ``acceptance`` (Σaccepted / Σdrafted over the paired
   prompts). Greedy (temperature 0) decoding is deterministic, so any drop beyond float noise
@@ -21,7 +21,7 @@ prompt's turns, as in :mod:`specbench.stats`. Per cell, four metrics:
   tolerance is calibrated from A/A runs (``aa.json`` beside the baseline, see
   :func:`calibrate_tolerance`; 0 without one).
 * ``speedup_cost``: a cost-model speedup from the records and a measured cost profile
-  (:func:`specbench.profile.step_time_model`): per request, AR time = (generated_tokens − 1) ·
+  (:func:`specbench.costs.profile.step_time_model`): per request, AR time = (generated_tokens − 1) ·
   T(b, 1) and policy time = Σ_rounds [T(b, 1 + verify_len) + D(b)] (D: the profile's drafting
   cost, for policies with a drafter, when the profile has a ``draft`` table); b = the batch's
   rows. Per prompt: ratio of the summed times; per cell: geometric mean. Both runs use the same
@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from specbench.errors import UserError
-from specbench.stats import BASELINE, CELL, DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, gmean_ci, load_results, \
+from specbench.analysis.stats import BASELINE, CELL, DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, gmean_ci, load_results, \
     paired_log_ratios
 
 GREEDY_RTOL = 1e-9  # relative float noise allowed on deterministic (greedy) metrics
@@ -143,11 +143,10 @@ def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | No
     if not targets:
         return None, "no cost profile (records name no target): speedup_cost skipped"
     devices = set(base_df["env.device_name"].dropna().astype(str)) if "env.device_name" in base_df else set()
-    from specbench import profile as profiles
-
+    from specbench.costs import profile as profiles
     folders = [profiles.REPO_PROFILES]
     try:
-        from specbench.loading import default_cache_dir
+        from specbench.engine.loading import default_cache_dir
 
         folders.append(default_cache_dir() / "profiles")
     except Exception:  # pragma: no cover - cache location unavailable
@@ -171,7 +170,7 @@ def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | No
 
 def _cost_fn(profile: dict):
     """record → (AR seconds, policy seconds), from the profile's step (and draft) time models."""
-    from specbench.profile import draft_time_model, step_time_model
+    from specbench.costs.profile import draft_time_model, step_time_model
 
     step = lru_cache(maxsize=None)(step_time_model(profile))
     draft = lru_cache(maxsize=None)(draft_time_model(profile["draft"])) if profile.get("draft") else None
@@ -263,7 +262,7 @@ def _prompt_table(df: pd.DataFrame, cost) -> pd.DataFrame:
 
 def wall_log_speedups(df: pd.DataFrame) -> pd.DataFrame:
     """Per (cell, policy ≠ ar, prompt_id): ``log_ratio`` = log(tokens/s of the policy / tokens/s
-    of ar), paired within the run (:func:`specbench.stats.paired_log_ratios`)."""
+    of ar), paired within the run (:func:`specbench.analysis.stats.paired_log_ratios`)."""
     out = []
     if BASELINE in set(df["policy"]):
         for pol in sorted(set(df["policy"]) - {BASELINE}):
@@ -304,7 +303,7 @@ def _constant(*arrays: np.ndarray) -> bool:
 
 
 def _ci(data, statistic, kw, **extra) -> tuple[float, float, str]:
-    """:func:`specbench.stats.bootstrap_ci`; when BCa is degenerate, the percentile interval."""
+    """:func:`specbench.analysis.stats.bootstrap_ci`; when BCa is degenerate, the percentile interval."""
     lo, hi, note = bootstrap_ci(data, statistic, **{**kw, **extra})
     if not (np.isfinite(lo) and np.isfinite(hi)) and extra.get("method", "BCa") == "BCa" and "n<2" not in note:
         lo, hi, note2 = bootstrap_ci(data, statistic, **{**kw, **extra, "method": "percentile"})
@@ -407,7 +406,7 @@ def compare(baseline_path, current_path, max_slowdown: float = 0.05, tolerance: 
     """Compare the current run's records against the baseline's; returns (rows, regressed).
 
     ``baseline_path``, ``current_path``: a results ``.jsonl`` file or a directory of them (or a
-    DataFrame from :func:`specbench.stats.load_results`). ``tolerance``: the wall-clock A/A
+    DataFrame from :func:`specbench.analysis.stats.load_results`). ``tolerance``: the wall-clock A/A
     tolerance (None: ``aa.json`` beside the baseline, else 0). ``profile``: cost profile path or
     dict (None: see :func:`resolve_profile`). One row per (cell, metric) with cell, metric, old,
     new, ratio (new / old), ci_low / ci_high (CI of the ratio), n (paired prompts), verdict
@@ -566,7 +565,7 @@ def format_table(rows: Sequence[dict], only_regressed: bool = False) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from specbench.cli import _positive_int, checked_type  # the CLI's shared argument types
+    from specbench.cli.main import _positive_int, checked_type  # the CLI's shared argument types
 
     _fraction = checked_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)", "must be in [0, 1)")
     _nonneg_float = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0",
@@ -628,7 +627,7 @@ def main(args) -> int:
 
 
 def cli_main(argv=None) -> int:
-    """Standalone entry point (``python -m specbench.regress ...``): exit status 0/1, 2 on bad input."""
+    """Standalone entry point (``python -m specbench.analysis.regress ...``): exit status 0/1, 2 on bad input."""
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message):

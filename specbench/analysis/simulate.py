@@ -19,7 +19,7 @@ changes: a round emits accepted + 1 tokens, cut at G. (Sampled records keep thei
 * DSpark (records with ``trace.confidence``): the policy's own code decides. A DSpark policy object
   (specbench/policies/dspark.py, built from the record's ``policy_params`` and *this* profile; the
   drafter is never called) runs its scheduler (Algorithm 1, capacity, threshold or fixed, from
-  specbench/scheduler.py) and its draft gate, if the recorded policy had one, on the replayed
+  specbench/policies/scheduler.py) and its draft gate, if the recorded policy had one, on the replayed
   confidences of all rows sharing the round. A row replays its *drafted* rounds in order (cycling
   if it needs more of them than it recorded). For a replayed round with recorded (ℓ_rec, a_rec):
     - a rejection was observed (a_rec < ℓ_rec): accepted = min(a_rec, ℓ);
@@ -51,7 +51,7 @@ continuous (default)  c slots, refilled as requests finish: newcomers are prefil
                       max(8·c, available)) have run; turns of a multi-turn prompt count as
                       independent requests. One policy instance serves the whole run (DSpark's
                       gate back-off and stale capacity carry over, as in a long-running engine).
-static                mirrors specbench.core.generate: c requests start together (one right-padded
+static                mirrors specbench.engine.core.generate: c requests start together (one right-padded
                       prefill), finished rows stay in the forward until the whole batch is done,
                       then the next batch starts, with a fresh policy instance (as each
                       generate() call begins one). Batches are formed as the runner forms them
@@ -59,10 +59,10 @@ static                mirrors specbench.core.generate: c requests start together
                       recorded batch size replays the recorded batches: this is the check against
                       measurement (docs/performance.md, "Simulation vs measurement").
 
-Metrics, as specbench.stats defines them: per-user tokens/s = (G − 1) / decode time (first token
+Metrics, as specbench.analysis.stats defines them: per-user tokens/s = (G − 1) / decode time (first token
 to last, prefill excluded), median over requests; throughput = Σ G / total time (prefill
 included); mean verify length = mean ℓ over every (request, round). Records repeated under the
-same key (a file copied twice) count once, as in specbench.stats.
+same key (a file copied twice) count once, as in specbench.analysis.stats.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ COLUMNS = ("policy", "workload", "temperature", "mode", "concurrency", "source_b
 def load_traces(path: str | Path) -> tuple[list[dict], list[str]]:
     """Records with a usable per-round trace from a results .jsonl or every *.jsonl under a directory,
     and the policies left out for having none (the transformers baselines record no rounds)."""
-    from specbench.runner import read_records
+    from specbench.bench.runner import read_records
 
     path = Path(path)
     if not path.exists():
@@ -142,9 +142,9 @@ class Costs:
 
 
 def load_costs(profile_path: str | Path) -> Costs:
-    from specbench import profile as profiles
-    from specbench.loading import default_cache_dir
-    from specbench.regress import _read_profile  # the gate's reader: one-line errors on bad profiles
+    from specbench.costs import profile as profiles
+    from specbench.engine.loading import default_cache_dir
+    from specbench.analysis.regress import _read_profile  # the gate's reader: one-line errors on bad profiles
 
     path = Path(profile_path)
     if not path.is_file():
@@ -267,7 +267,7 @@ def _dspark_decider(policy, gamma: int):
     confidences), then DSpark.schedule, exactly as the core calls them."""
     import torch
 
-    from specbench.policy import Draft
+    from specbench.engine.policy import Draft
 
     def decide(rows: list[_Row], active: list[bool]):
         b = len(rows)
@@ -341,7 +341,7 @@ def _finish_at_prefill(rows: list[_Row], clock: float) -> None:
 
 
 def run_static(batches: list[list[_Row]], make_decider, costs: Costs, draft_seconds, stats: _Stats) -> float:
-    """specbench.core.generate, batch after batch; returns the total time."""
+    """specbench.engine.core.generate, batch after batch; returns the total time."""
     clock = 0.0
     for rows in batches:
         decide = make_decider()  # a fresh policy per batch, as the runner's generate() call begins one
@@ -392,7 +392,7 @@ def runner_order(recs: list[dict], batch_size: int) -> list[list[dict]]:
 
 def measured(recs: list[dict]) -> dict:
     """Median per-user tokens/s, throughput and mean verify length of real records, defined as the
-    simulator defines them (and specbench.stats, for single-turn workloads)."""
+    simulator defines them (and specbench.analysis.stats, for single-turn workloads)."""
     tps = [r["tokens_per_s"] for r in recs if isinstance(r.get("tokens_per_s"), (int, float)) and r["tokens_per_s"] > 0]
     batches = {r.get("batch_id"): (r.get("batch_generated_tokens") or 0, r.get("batch_wall_s") or 0.0) for r in recs}
     wall = sum(w for _, w in batches.values())
@@ -521,7 +521,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from specbench.cli import _list_of, _nonneg_int, _positive_int  # the CLI's shared argument types
+    from specbench.cli.main import _list_of, _nonneg_int, _positive_int  # the CLI's shared argument types
 
     p = subparsers.add_parser(
         "simulate", help="per-user tokens/s and throughput vs concurrency, replaying recorded traces on a cost profile",
@@ -543,7 +543,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    from specbench.cli import check_writable
+    from specbench.cli.main import check_writable
 
     trace = Path(args.trace)
     if not trace.exists():

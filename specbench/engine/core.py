@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specbench.model import Transformer
-from specbench.policy import BatchState, Draft, Policy
-from specbench.sampling import make_generator, probs_from_logits, sample
-from specbench.verify import verify_chain, verify_tree
+from specbench.engine.model import Transformer
+from specbench.engine.policy import BatchState, Draft, Policy
+from specbench.engine.sampling import make_generator, probs_from_logits, sample
+from specbench.engine.verify import verify_chain, verify_tree
 
 KV_BUCKET = 64  # attention reads the cache up to a multiple of this, so shapes repeat across rounds
 

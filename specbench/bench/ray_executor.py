@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Callable, Sequence
 
 from specbench.errors import UserError
-from specbench.runner import (SweepResult, _Bars, check_compatible, make_engine, plan_size, read_records, record_key,
+from specbench.bench.runner import (SweepResult, _Bars, check_compatible, make_engine, plan_size, read_records, record_key,
                               run_cell, RecordWriter)
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from safetensors.torch import load_file, save_file
 
 from specbench.errors import UserError
-from specbench.model import ModelArgs, Transformer
+from specbench.engine.model import ModelArgs, Transformer
 
 CACHE_FORMAT = 1  # bump when the converted layout changes; older caches are then rebuilt
 

@@ -3,7 +3,7 @@
 Rollouts: the drafter verifies its full block every round (scheduler "fixed", so every position's
 label is observed) on prompts held out from the drafter's training (the validation split of its
 training data) — never on evaluation workloads. Each round gives the raw confidence logits z [γ]
-and how many drafts were accepted; STS (specbench/calibration.py) fits per-position temperatures.
+and how many drafts were accepted; STS (specbench/policies/calibration.py) fits per-position temperatures.
 
 One fit per deployment temperature (default 0 and 1): acceptance is a different event at T = 0
 (argmax agreement) than at T > 0 (min(1, p/q)), and the head is trained on one of them; the
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specbench.calibration import calibration_table, fit_sts
-from specbench.core import SamplingConfig, generate
+from specbench.policies.calibration import calibration_table, fit_sts
+from specbench.engine.core import SamplingConfig, generate
 
 
 def held_out_prompts(data, n: int, val_fraction: float = 0.05, seed: int = 0) -> list[list[int]]:
@@ -54,7 +54,7 @@ def collect_rollouts(target, policy, prompts: list[list[int]], temperature: floa
 
 def calibrate(target, drafter: str, data, n_prompts: int = 64, temperatures: tuple[float, ...] = (0.0, 1.0),
               max_new_tokens: int = 384, batch_size: int = 8, seed: int = 0, write: bool = True) -> dict:
-    from specbench.registry import build_dspark
+    from specbench.policies.registry import build_dspark
 
     policy = build_dspark(target, drafter=drafter, scheduler="fixed", calibrated=False)
     prompts = held_out_prompts(data, n_prompts)
@@ -75,7 +75,7 @@ def calibrate(target, drafter: str, data, n_prompts: int = 64, temperatures: tup
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
     }
     if write:
-        from specbench.drafters import resolve_checkpoint
+        from specbench.drafters.checkpoints import resolve_checkpoint
 
         path = resolve_checkpoint(drafter) / "calibration.json"
         tmp = path.with_suffix(".json.tmp")

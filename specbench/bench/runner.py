@@ -4,11 +4,11 @@ results record per request (docs/records.md) to a jsonlines file.
 Terms
 -----
 * **Engine**: something that decodes a batch of token-id prompts and returns a
-  :class:`specbench.core.BatchResult`: a core policy (:class:`PolicyEngine`) or a peer baseline
-  (:mod:`specbench.baselines`). The runner only sees engines, so targets, tokenizers and policies
+  :class:`specbench.engine.core.BatchResult`: a core policy (:class:`PolicyEngine`) or a peer baseline
+  (:mod:`specbench.bench.baselines`). The runner only sees engines, so targets, tokenizers and policies
   can be injected (tests use tiny random models and a fake tokenizer).
 * **Target**: any object with ``model`` (our Transformer), ``tokenizer`` (``apply_chat_template``,
-  ``encode``, ``decode``), ``name`` and ``eos_token_ids``: a :class:`specbench.loading.LoadedModel`
+  ``encode``, ``decode``), ``name`` and ``eos_token_ids``: a :class:`specbench.engine.loading.LoadedModel`
   or a stub.
 * **Cell** = (policy, workload, batch_size, temperature, repeat).
 * **Group** = (workload, batch_size, temperature, repeat): the cells of all policies that share
@@ -62,9 +62,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from specbench.core import BatchResult, SamplingConfig, generate
+from specbench.engine.core import BatchResult, SamplingConfig, generate
 from specbench.errors import UserError
-from specbench.workloads import Workload, render_prompt
+from specbench.bench.workloads import Workload, render_prompt
 
 WARMUP_TOKENS = 4
 
@@ -91,7 +91,7 @@ class Engine:
 
 
 class PolicyEngine(Engine):
-    """A :class:`specbench.policy.Policy` running in the shared decode core on the target."""
+    """A :class:`specbench.engine.policy.Policy` running in the shared decode core on the target."""
 
     def __init__(self, target_model, policy, name: str | None = None):
         self.target_model, self.policy = target_model, policy
@@ -107,11 +107,10 @@ class PolicyEngine(Engine):
 
 def make_engine(name: str, target, overrides: dict | None = None) -> Engine:
     """The engine for a policy name / spec path, or a peer baseline (``hf``, ``hf-assisted``, ``hf-pld``)."""
-    from specbench import baselines
-
+    from specbench.bench import baselines
     if name in baselines.BASELINES:
         return baselines.make_baseline(name, target, overrides or {})
-    from specbench.registry import build_policy
+    from specbench.policies.registry import build_policy
 
     policy = build_policy(name, target, overrides)
     return PolicyEngine(target.model, policy)

@@ -4,15 +4,15 @@ A spec is a TOML file in the top-level `policies/` folder (or a path to one) nam
 its parameters, e.g. `policies/fixed-k.toml`:
 
     name = "fixed-k"
-    builder = "specbench.registry:build_fixed_k"
+    builder = "specbench.policies.registry:build_fixed_k"
     [params]
     k = 4
     drafter = "drafters/smollm2-135m/fixed-k"
 
 Third-party policies plug in the same way (a builder given by import path in their own TOML), or
 through the `specbench.policies` entry-point group (name → builder). A builder is called as
-`builder(target, **params)` with the loaded target (`specbench.loading.LoadedModel`) and returns a
-`specbench.policy.Policy`.
+`builder(target, **params)` with the loaded target (`specbench.engine.loading.LoadedModel`) and returns a
+`specbench.engine.policy.Policy`.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import tomllib
 from pathlib import Path
 
 from specbench.errors import UserError
-from specbench.policy import Policy
+from specbench.engine.policy import Policy
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 POLICY_DIR = REPO_ROOT / "policies"
 
 
@@ -111,7 +111,7 @@ def build_pld(target, k: int = 4, min_ngram: int = 1, max_ngram: int = 3) -> Pol
 
 
 def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
-    from specbench.drafters import load_draft_lm
+    from specbench.drafters.checkpoints import load_draft_lm
     from specbench.policies.fixed_k import FixedK
 
     return FixedK(load_draft_lm(drafter, target), k=k, drafter=drafter)
@@ -126,10 +126,10 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     schedulers (algorithm1, capacity), off otherwise."""
     import json
 
-    from specbench import profile as profiles
-    from specbench.calibration import load_sts
-    from specbench.drafters import resolve_checkpoint
-    from specbench.dspark_model import load_dspark_drafter
+    from specbench.costs import profile as profiles
+    from specbench.policies.calibration import load_sts
+    from specbench.drafters.checkpoints import resolve_checkpoint
+    from specbench.drafters.dspark import load_dspark_drafter
     from specbench.policies.dspark import DSpark
 
     model = load_dspark_drafter(drafter, target)

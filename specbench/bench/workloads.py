@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 
 from specbench.errors import UserError
 
-WORKLOADS_DIR = Path(__file__).resolve().parent.parent / "workloads"
+WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 
 #: max_new_tokens for a workload read from a bare .jsonl file (no spec to say otherwise).
 DEFAULT_MAX_NEW_TOKENS = 256

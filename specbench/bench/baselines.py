@@ -2,7 +2,7 @@
 records and the same statistics as specbench's policies.
 
 * ``hf`` — ``model.generate`` on the transformers reference model with the target's weights
-  (:func:`specbench.loading.load_hf_reference`), greedy or sampled with the same temperature /
+  (:func:`specbench.engine.loading.load_hf_reference`), greedy or sampled with the same temperature /
   top-p (top-k off); any batch size, prompts left-padded.
 * ``hf-assisted`` — transformers assisted generation, ``assistant_model=`` a draft LM in
   transformers form: by default the same draft the ``fixed-k`` policy uses (its spec's
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specbench.core import BatchResult, RequestResult, SamplingConfig
+from specbench.engine.core import BatchResult, RequestResult, SamplingConfig
 from specbench.errors import UserError
-from specbench.runner import Engine
+from specbench.bench.runner import Engine
 
 BASELINES = {
     "hf": "transformers generate() on the same weights (any batch size, left padding)",
@@ -52,7 +52,7 @@ BATCH1_ONLY = ("hf-assisted", "hf-pld")
 
 def _fixed_k_defaults() -> dict:
     try:
-        from specbench.registry import read_spec
+        from specbench.policies.registry import read_spec
 
         return dict(read_spec("fixed-k").get("params", {}))
     except UserError:
@@ -263,7 +263,7 @@ def hf_draft_model(drafter: str, target, hf_target):
                  if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < n}
         overrides = {"num_hidden_layers": n}
     else:
-        from specbench.drafters import read_checkpoint
+        from specbench.drafters.checkpoints import read_checkpoint
 
         config, ckpt = read_checkpoint(drafter, target, kind="draft-lm")
         a = config["model_args"]
@@ -295,7 +295,7 @@ def make_baseline(name: str, target, overrides: dict) -> HFEngine:
     """An engine for baseline `name` on `target` (a LoadedModel: its `path` holds the HF weights)."""
     from transformers.utils import logging as hf_logging
 
-    from specbench.loading import load_hf_reference
+    from specbench.engine.loading import load_hf_reference
 
     params = check_params(name, overrides)
     # transformers' per-call notices (e.g. assisted generation's own generate() deprecation note) and

@@ -66,7 +66,7 @@ def trainer_for(policy: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    from specbench.loading import default_cache_dir, load_model
+    from specbench.engine.loading import default_cache_dir, load_model
     from specbench.train.common import get_budget, write_training_card
     from specbench.train.data import TrainingData, build_training_data, default_data_dir
 

@@ -20,9 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specbench.errors import UserError
-from specbench.model import ModelArgs, Transformer, rope_inv_freq
+from specbench.engine.model import ModelArgs, Transformer, rope_inv_freq
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_NAME = "drafter.json"
 
 

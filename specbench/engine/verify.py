@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specbench.sampling import sample
+from specbench.engine.sampling import sample
 
 
 def verify_chain(

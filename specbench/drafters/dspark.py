@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from specbench.sampling import probs_from_logits, sample
+from specbench.engine.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.engine.sampling import probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
 KV_BUCKET = 64  # context attention reads the cache up to a multiple of this (shapes repeat across rounds)
@@ -508,7 +508,7 @@ def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDra
     another target, of another kind, or with corrupt files is refused with a UserError."""
     import json
 
-    from specbench.drafters import CONFIG_NAME, read_checkpoint, resolve_checkpoint
+    from specbench.drafters.checkpoints import CONFIG_NAME, read_checkpoint, resolve_checkpoint
 
     if kind is None:
         path = resolve_checkpoint(spec)

@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--by-category", action="store_true", help="one cell per workload category too")
     cmp.add_argument("--csv", help="also write the table as csv")
 
-    from specbench import regress, simulate
-    from specbench.train import cli as train_cli
+    from specbench.analysis import regress, simulate
+    from specbench.cli import train as train_cli
 
     train_cli.add_parser(sub)
     train_cli.add_corpus_parser(sub)
@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args) -> int:
-    from specbench.calibrate import calibrate
-    from specbench.loading import load_model
+    from specbench.policies.calibrate import calibrate
+    from specbench.engine.loading import load_model
     from specbench.train.data import TrainingData
 
     device = check_device(args.device)
@@ -201,8 +201,8 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from specbench import profile
-    from specbench.loading import load_model
+    from specbench.costs import profile
+    from specbench.engine.loading import load_model
 
     device = check_device(args.device)
     check_writable(Path(args.out), "file")
@@ -264,8 +264,8 @@ def check_device(device: str) -> str:
 
 def check_policy(name: str, overrides: dict, batch_sizes) -> str:
     """Validate a policy / baseline name and its parameter overrides; returns its record name."""
-    from specbench import baselines
-    from specbench.registry import import_object, list_policies, read_spec
+    from specbench.bench import baselines
+    from specbench.policies.registry import import_object, list_policies, read_spec
 
     if name in baselines.BASELINES:
         baselines.check_params(name, overrides)
@@ -295,7 +295,7 @@ def check_policy(name: str, overrides: dict, batch_sizes) -> str:
 
 
 def load_workloads(names, limit):
-    from specbench.workloads import load_workload
+    from specbench.bench.workloads import load_workload
 
     out = []
     for n in names:
@@ -321,8 +321,8 @@ def _slug(name: str) -> str:
 
 
 def _load_target_and_engines(target_spec, device, policies_with_overrides):
-    from specbench.loading import load_model
-    from specbench.runner import make_engine
+    from specbench.engine.loading import load_model
+    from specbench.bench.runner import make_engine
 
     target = load_model(target_spec, device=device)
     engines = [make_engine(name, target, ov) for name, ov in policies_with_overrides]
@@ -330,7 +330,7 @@ def _load_target_and_engines(target_spec, device, policies_with_overrides):
 
 
 def cmd_run(args) -> int:
-    from specbench.runner import read_records, run_sweep
+    from specbench.bench.runner import read_records, run_sweep
 
     overrides = dict(args.param)
     device = check_device(args.device)
@@ -349,7 +349,7 @@ def cmd_run(args) -> int:
     if out.exists():
         read_records(out, repair=False)  # a malformed file fails now, not after the model loads
 
-    from specbench.envinfo import environment
+    from specbench.bench.envinfo import environment
 
     target, engines = _load_target_and_engines(args.target, device, [(args.policy, overrides)])
     result = run_sweep(
@@ -364,7 +364,7 @@ def cmd_run(args) -> int:
 
 
 def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, temperature: float, result) -> str:
-    """Short summary of a `run` (definitions as in specbench.stats)."""
+    """Short summary of a `run` (definitions as in specbench.analysis.stats)."""
     def num(v):
         return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -406,13 +406,12 @@ def _settings_diff(old: dict, new: dict) -> str:
 
 
 def cmd_sweep(args) -> int:
-    from specbench.runner import fsync_dir, read_records, run_sweep
+    from specbench.bench.runner import fsync_dir, read_records, run_sweep
 
     if args.ray_address and args.executor != "ray":
         raise UserError("--ray-address needs --executor ray")
     if args.executor == "ray":
-        from specbench import ray_executor
-
+        from specbench.bench import ray_executor
         ray_executor.import_ray()
         device = ray_executor.ray_device(args.device)  # the cells' device, not necessarily this machine's
     else:
@@ -438,7 +437,7 @@ def cmd_sweep(args) -> int:
     if records_file.exists():
         read_records(records_file, repair=False)
 
-    from specbench.envinfo import environment
+    from specbench.bench.envinfo import environment
 
     if args.executor == "local":
         target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
@@ -451,7 +450,7 @@ def cmd_sweep(args) -> int:
     if args.executor == "ray":
         from functools import partial
 
-        from specbench.loading import load_model
+        from specbench.engine.loading import load_model
 
         result = ray_executor.run_sweep_ray(
             partial(load_model, args.target, device=device), f"{args.target}|{device}", [(p, {}) for p in args.policies],
@@ -473,7 +472,7 @@ def cmd_sweep(args) -> int:
 def sweep_summary(records_file: Path) -> str:
     import pandas as pd
 
-    from specbench.stats import load_results, summarize
+    from specbench.analysis.stats import load_results, summarize
 
     df = load_results(records_file)
     s = summarize(df)
@@ -485,10 +484,10 @@ def sweep_summary(records_file: Path) -> str:
 
 
 def cmd_list(args) -> int:
-    from specbench import baselines
-    from specbench.loading import ALIASES, default_cache_dir
-    from specbench.registry import builtin_specs, entry_point_builders, list_policies, read_spec
-    from specbench.workloads import WORKLOADS_DIR, list_workloads
+    from specbench.bench import baselines
+    from specbench.engine.loading import ALIASES, default_cache_dir
+    from specbench.policies.registry import builtin_specs, entry_point_builders, list_policies, read_spec
+    from specbench.bench.workloads import WORKLOADS_DIR, list_workloads
 
     print("policies:")
     specs, eps = builtin_specs(), entry_point_builders()
@@ -537,8 +536,7 @@ def cmd_report(args) -> int:
     for p in (html, pdf):
         if p is not None:
             check_writable(Path(p), "file")
-    from specbench import report
-
+    from specbench.analysis import report
     report.write_report(results, html_path=html, pdf_path=pdf)
     for p in (html, pdf):
         if p is not None:
@@ -547,8 +545,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from specbench import stats
-
+    from specbench.analysis import stats
     results = Path(args.results)
     if not results.exists():
         raise UserError(f"results path not found: {results}")
@@ -567,7 +564,7 @@ def cmd_compare(args) -> int:
         print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
               f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
     if args.csv:
-        from specbench.report import _atomic_write  # the report's whole-file-or-nothing writer
+        from specbench.analysis.report import _atomic_write  # the report's whole-file-or-nothing writer
 
         _atomic_write(Path(args.csv), table.to_csv(index=False).encode("utf-8"))
         print(f"wrote {args.csv}")
@@ -578,8 +575,7 @@ COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "list": cmd_list, "report": cmd_
 
 
 def _regress_main(args) -> int:
-    from specbench import regress
-
+    from specbench.analysis import regress
     return regress.main(args)
 
 

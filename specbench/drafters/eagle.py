@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.engine.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 KIND = "eagle"
 KV_BUCKET = 64  # attention reads the cache up to a multiple of this (shapes repeat across rounds)
@@ -330,7 +330,7 @@ def load_eagle_head(spec: str, target) -> EagleHead:
     """Load an "eagle" checkpoint for `target` (a loading.LoadedModel) on the target's device and
     dtype, sharing its frozen embedding / lm_head. A head trained for another target, another
     kind of drafter, or corrupt files are refused with a UserError."""
-    from specbench.drafters import read_checkpoint
+    from specbench.drafters.checkpoints import read_checkpoint
 
     config, state = read_checkpoint(spec, target, kind=KIND)
     try:

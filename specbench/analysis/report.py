@@ -1,7 +1,7 @@
 """Layer 7: one self-contained HTML report and one PDF from the same figures and tables.
 
 ``write_report(results, html_path=..., pdf_path=...)`` reads results records (a ``.jsonl``
-file or a directory of them), runs :mod:`specbench.stats`, and writes:
+file or a directory of them), runs :mod:`specbench.analysis.stats`, and writes:
 
 1. speedup vs AR per workload × policy with 95% CI bars (and per category when a workload
    has more than one category);
@@ -39,7 +39,7 @@ from matplotlib.backends.backend_pdf import PdfPages
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from specbench import stats
+from specbench.analysis import stats
 from specbench.errors import UserError
 
 _PALETTE = ["#4d4d4d", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
@@ -290,7 +290,7 @@ def fig_tau(df: pd.DataFrame, colors) -> Figure:
 
 def load_simulation(results_path: Path) -> pd.DataFrame | None:
     """The `specbench simulate` outputs that belong to these results, or None."""
-    from specbench.simulate import COLUMNS, OUT_FILE
+    from specbench.analysis.simulate import COLUMNS, OUT_FILE
 
     results_path = Path(results_path)
     files = (sorted(results_path.rglob(OUT_FILE)) if results_path.is_dir()
@@ -397,7 +397,7 @@ def calibration_tables(df: pd.DataFrame, n_resamples: int = 500) -> list[tuple[s
     """Held-out confidence calibration per (policy, workload, temperature) for runs that recorded
     confidences (DSpark): ECE of the prefix-survival prediction before / after STS (the fit for that
     temperature), the change with a request-bootstrap 95% CI, and AUC, per position."""
-    from specbench.calibration import calibration_from_traces, sts_for
+    from specbench.policies.calibration import calibration_from_traces, sts_for
 
     out = []
     if "trace" not in df.columns or "policy_params" not in df.columns:
@@ -599,7 +599,7 @@ def write_report(
     sim = load_simulation(results_path)
     if sim is not None:
         figs.append(("Simulated load", "`specbench simulate`: the recorded per-round traces replayed against a cost "
-                     "profile (specbench/simulate.py), one point per concurrency c; DSpark re-schedules on the replayed "
+                     "profile (specbench/analysis/simulate.py), one point per concurrency c; DSpark re-schedules on the replayed "
                      "confidences. Estimates, not measurements; see simulation.json beside the csv for the profile.",
                      fig_simulation(sim, _colors(pd.concat([df["policy"], sim["policy"]])))))
     table = summary_table(summary)
