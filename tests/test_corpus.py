@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from specbench.core import SamplingConfig, generate
-from specbench.dspark_model import load_dspark_drafter
+from specbench.engine.core import SamplingConfig, generate
+from specbench.drafters.dspark import load_dspark_drafter
 from specbench.errors import UserError
 from specbench.policies.dspark import DSpark
-from specbench.policy import Policy
+from specbench.engine.policy import Policy
 from specbench.train.common import get_budget
 from specbench.train.corpus import build_corpus, features_from_corpus, read_corpus, shard_name
 from specbench.train.data import TrainingData

@@ -177,7 +177,7 @@ def _git_commit(paths: list[Path], message: str) -> None:
 
 
 def corpus_main(args: argparse.Namespace) -> int:
-    from specbench.loading import load_model
+    from specbench.engine.loading import load_model
     from specbench.train.corpus import build_corpus
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

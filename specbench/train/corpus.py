@@ -13,7 +13,7 @@ Prompts, per shard (never overlapping an evaluation workload; see specbench/trai
     * every prompt passes `PromptFilter`: degenerate, duplicate, near-duplicate (against every
       earlier prompt of the corpus, earlier shards included) and evaluation-overlap checks.
 
-Responses: the target through `specbench.core.generate` and the AR policy, DeepSpec's
+Responses: the target through `specbench.engine.core.generate` and the AR policy, DeepSpec's
 non-thinking recipe (temperature 0.7, top-p 0.8; the suite's sampler has no top-k 20, so that
 one cut is not applied), up to `max_new_tokens`, stopping at EOS. The loss mask is the response
 part of each sequence (assistant tokens incl. the generated end-of-turn), derivable from
@@ -49,10 +49,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from specbench.core import SamplingConfig, generate
-from specbench.envinfo import device_name
+from specbench.engine.core import SamplingConfig, generate
+from specbench.bench.envinfo import device_name
 from specbench.errors import UserError
-from specbench.policy import Policy
+from specbench.engine.policy import Policy
 from specbench.train.data import (
     MAGPIE_SAMPLING,
     MAGPIE_SYSTEMS,
@@ -166,7 +166,7 @@ def build_corpus(
         manifest = {"format": FORMAT, "build_key": build_key, "settings": settings,
                     "target": {"name": target.name, "fingerprint": target.fingerprint,
                                "vocab_size": model.args.vocab_size},
-                    "generation": {"engine": "specbench.core.generate, AR policy",
+                    "generation": {"engine": "specbench.engine.core.generate, AR policy",
                                    "response_sampling": {"temperature": temperature, "top_p": top_p,
                                                          "top_k": None},
                                    "magpie_sampling": MAGPIE_SAMPLING, "magpie_system_prompts": MAGPIE_SYSTEMS},
