@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "an existing file is resumed")
     r.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                    help="policy parameter override, value parsed as a TOML scalar (repeatable)")
+    r.add_argument("--no-ar", action="store_true",
+                   help="do not also decode the same requests with ar (by default a run of any other policy "
+                        "does, interleaved, and prints the paired speedup over ar)")
 
     s = sub.add_parser("sweep", help="policies × workloads × batch sizes × repeats, interleaved",
                        description="Sweep policies × workloads × batch sizes × temperatures × repeats.")
@@ -351,7 +354,12 @@ def cmd_run(args) -> int:
 
     from specbench.bench.envinfo import environment
 
-    target, engines = _load_target_and_engines(args.target, device, [(args.policy, overrides)])
+    # The suite's question is "faster than plain decoding?": unless told not to, the same requests
+    # are decoded with ar too (interleaved with the policy by the runner, so drift hits both alike;
+    # ar records already in --out are reused by resume).
+    with_ar = pname != "ar" and not args.no_ar
+    wanted = [(args.policy, overrides)] + ([("ar", {})] if with_ar else [])
+    target, engines = _load_target_and_engines(args.target, device, wanted)
     result = run_sweep(
         target, engines, [workload], out, batch_sizes=[args.batch_size], temperatures=[args.temperature],
         repeats=1, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
@@ -359,8 +367,63 @@ def cmd_run(args) -> int:
     )
     keys = set(result.keys)
     recs = [r for r in read_records(out) if r["key"] in keys]
-    print(run_summary(recs, engines[0].name, workload.name, args.batch_size, args.temperature, result))
+    mine = [r for r in recs if r["policy"] == engines[0].name]
+    print(run_summary(mine, engines[0].name, workload.name, args.batch_size, args.temperature, result))
+    if with_ar:
+        print(versus_ar(recs, engines[0].name))
     return 0
+
+
+def versus_ar(recs: list[dict], policy: str) -> str:
+    """The paired per-user speedup of `policy` over ar on the same requests, τ of both, and one
+    plain line saying whether speculation paid here and, if not, what the policy did instead."""
+    import pandas as pd
+
+    from specbench.analysis import stats
+
+    df = pd.DataFrame([{**r, "category": r.get("category") or r["workload"]} for r in recs])
+    df["prompt_id"] = df["prompt_id"].astype(str)
+    cmp = stats.compare_policies(df, policy, "ar")
+    taus = {name: statistics.fmean(r["tau"] for r in recs if r["policy"] == name
+                                   and isinstance(r.get("tau"), (int, float)) and math.isfinite(r["tau"]))
+            for name in (policy, "ar")}
+    if cmp.empty:
+        return "  vs ar         no paired requests"
+    row = cmp.iloc[0]
+    ratio, lo, hi, n = float(row["ratio"]), float(row["ratio_ci_low"]), float(row["ratio_ci_high"]), int(row["n"])
+    ci = f"[{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) and math.isfinite(hi) else "[no CI]"
+    lines = [f"  vs ar         {ratio:.2f}x per-user tokens/s {ci} (95% CI, n = {n} paired requests); "
+             f"tau {taus[policy]:.2f} vs {taus['ar']:.2f}"]
+    if math.isfinite(lo) and lo > 1:
+        verdict = f"{policy} paid here: faster than ar, the whole interval above 1"
+    elif math.isfinite(hi) and hi < 1:
+        verdict = f"{policy} did not pay here: slower than ar, the whole interval below 1"
+    else:
+        verdict = (f"{policy} vs ar is not decided at n = {n}: the interval includes 1"
+                   + (" (more requests: --limit N or --all)" if n < 32 else ""))
+    # A gated round is one where a policy with a draft gate drew no drafts at all (empty
+    # confidence list, nothing verified); see docs/records.md for the trace fields.
+    rounds = []
+    for r in recs:
+        if r["policy"] != policy:
+            continue
+        trace, gate = r.get("trace") or {}, bool((r.get("policy_params") or {}).get("draft_gate"))
+        verify = trace.get("verify_len", [])
+        conf = trace.get("confidence") or [None] * len(verify)
+        rounds += [(v, gate and c == []) for v, c in zip(verify, conf)]
+    why = []
+    if rounds:
+        no_draft = sum(1 for v, _ in rounds if v == 0) / len(rounds)
+        gated = sum(1 for v, skipped in rounds if v == 0 and skipped) / len(rounds)
+        if gated > 0:
+            why.append(f"the draft gate skipped {gated:.0%} of rounds: at this acceptance, drafting does not pay "
+                       "on this device by its cost profile")
+        if no_draft - gated > 0.005:
+            why.append(f"the scheduler verified no draft in {'another ' if gated else ''}{no_draft - gated:.0%} of rounds")
+    if not why and taus[policy] < 1.5 and not (math.isfinite(lo) and lo > 1):
+        why.append(f"tau {taus[policy]:.2f}: too few drafts accepted to pay for drafting and verifying")
+    lines.append(f"  verdict       {verdict}" + (f"; {'; '.join(why)}" if why else ""))
+    return "\n".join(lines)
 
 
 def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, temperature: float, result) -> str:
