@@ -191,3 +191,16 @@ def test_corpus_to_drafter_end_to_end(target, corpus, tmp_path):
     spec = generate(target.model, DSpark(drafter, scheduler="fixed"), prompts, cfg, [IM_END])
     assert [r.output_ids for r in spec.requests] == [r.output_ids for r in ar.requests]
     assert sum(r.drafted for r in spec.requests) > 0
+
+
+def test_committed_corpus_overlaps_no_evaluation_workload():
+    """Every prompt of the shipped corpus against every turn of the evaluation workloads
+    (code, chat, math and the held-out set): no shared word 8-gram, no identical text."""
+    from specbench.train.data import EvalOverlap, eval_prompt_texts
+
+    manifest, shards = read_corpus(TESTS.parent / "corpus" / "smollm2-135m")
+    overlap = EvalOverlap(eval_prompt_texts())
+    prompts = [text for shard in shards for _, text in shard["prompts"]]
+    assert len(prompts) == manifest["totals"]["n_prompts"] > 0
+    assert [p for p in prompts if overlap.overlaps(p)] == []
+    assert len(set(prompts)) == len(prompts)

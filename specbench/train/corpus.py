@@ -57,6 +57,7 @@ from specbench.train.data import (
     MAGPIE_SAMPLING,
     MAGPIE_SYSTEMS,
     RESPONSE_SAMPLING,
+    EVAL_WORKLOADS,
     ChatFormat,
     EvalOverlap,
     PromptFilter,
@@ -170,7 +171,7 @@ def build_corpus(
                                    "response_sampling": {"temperature": temperature, "top_p": top_p,
                                                          "top_k": None},
                                    "magpie_sampling": MAGPIE_SAMPLING, "magpie_system_prompts": MAGPIE_SYSTEMS},
-                    "overlap_check": {"workloads": "code, chat, math" if eval_texts is None else "caller-supplied"},
+                    "overlap_check": {"workloads": ", ".join(EVAL_WORKLOADS) if eval_texts is None else "caller-supplied"},
                     "shards": []}
 
     fmt = ChatFormat(target.tokenizer)
@@ -187,7 +188,7 @@ def build_corpus(
         if shard is None:
             break
         for _, text in shard["prompts"]:
-            pfilter.accept(text)
+            pfilter.remember(text)
         if path.name not in listed:
             manifest["shards"].append(_shard_summary(path, shard, float("nan"), "unknown", "unknown"))
         k += 1

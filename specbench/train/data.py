@@ -92,7 +92,7 @@ MAGPIE_SYSTEMS = [  # None = the template's default system turn
     "You are a patient math tutor. Users ask you math questions and word problems.",
     "You are a helpful assistant for writing, everyday questions and explanations.",
 ]
-EVAL_WORKLOADS = ("code", "chat", "math")
+EVAL_WORKLOADS = ("code", "chat", "math", "heldout")
 OVERLAP_NGRAM = 8
 NEAR_DUP_NGRAM = 4
 NEAR_DUP_THRESHOLD = 0.6
@@ -281,12 +281,20 @@ class PromptFilter:
         if reason:
             self.rejected[reason] += 1
             return False
+        self.remember(text, key, shingles)
+        return True
+
+    def remember(self, text: str, key: str | None = None, shingles: set | None = None) -> None:
+        """Count `text` as accepted without checking it (replaying an earlier build's prompts)."""
+        key = key if key is not None else _norm(text)
+        if shingles is None:
+            w = key.split()
+            shingles = _ngrams(w, NEAR_DUP_NGRAM) or {tuple(w)}
         self.exact.add(key)
         idx = len(self.sizes)
         self.sizes.append(len(shingles))
         for s in shingles:
             self.postings.setdefault(s, []).append(idx)
-        return True
 
 
 # ---------------------------------------------------------------------------------------------
