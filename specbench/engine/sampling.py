@@ -20,12 +20,26 @@ def probs_from_logits(logits: Tensor, temperature: float, top_p: float = 1.0) ->
     return probs
 
 
-def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
-    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = torch.where(mass_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+def top_p_filter(probs: Tensor, top_p: float, candidates: int = 128) -> Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches top_p.
+
+    Sorting the whole vocabulary per row was most of a large-batch sampling step (49k entries ×
+    every row × every step); the nucleus is usually far smaller, so the `candidates` most likely
+    tokens are selected first and only rows whose nucleus does not end among them are sorted in
+    full. Both paths keep exactly the tokens whose mass before them (in descending order) is
+    below top_p."""
+    k = min(candidates, probs.shape[-1])
+    top, order = probs.topk(k, dim=-1)  # descending
+    mass_before = top.cumsum(-1) - top
+    kept = torch.zeros_like(probs).scatter(-1, order, torch.where(mass_before < top_p, top, torch.zeros_like(top)))
+    # The nucleus ended inside the candidates iff the last candidate is already past top_p.
+    wide = mass_before[..., -1] < top_p
+    if k < probs.shape[-1] and bool(wide.any()):
+        rows = probs[wide]
+        sorted_probs, full_order = rows.sort(dim=-1, descending=True)
+        full_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = torch.where(full_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+        kept[wide] = torch.zeros_like(rows).scatter(-1, full_order, sorted_probs)
     return kept / kept.sum(-1, keepdim=True)
 
 
