@@ -15,6 +15,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -219,25 +220,58 @@ def cmd_profile(args) -> int:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """`path` can be created (or, if it exists, written) without touching anything now."""
+    """`path` can be created (or, if it exists, written), checked by actually doing it and undoing
+    it: `os.access` says yes to root even where the kernel refuses (/proc, read-only mounts)."""
     if path.exists():
         if what == "directory" and not path.is_dir():
             raise UserError(f"output directory {path} exists and is not a directory")
         if what == "file" and path.is_dir():
             raise UserError(f"output file {path} is a directory")
-        target = path if path.is_dir() else path.parent
-        if not os.access(target, os.W_OK | os.X_OK) or (path.is_file() and not os.access(path, os.W_OK)):
-            raise UserError(f"output {what} {path} is not writable")
-        return
-    anc = path.parent
+    anc = path if path.is_dir() else path.parent
     while not anc.exists():
         if anc == anc.parent:
             break
         anc = anc.parent
-    if not anc.is_dir():
+    if anc.exists() and not anc.is_dir():
         raise UserError(f"cannot create output {what} {path}: {anc} is not a directory")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise UserError(f"cannot create output {what} {path}: {anc} is not writable")
+    made: list[Path] = []  # directories this probe created, removed again (deepest first)
+    folder = path if what == "directory" else path.parent
+    try:
+        for d in reversed([folder, *folder.parents]):
+            if not d.exists():
+                d.mkdir()
+                made.append(d)
+        if path.is_file():
+            with open(path, "ab"):  # appending nothing changes neither the content nor the mtime
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".specbench-write-check.", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"output {what} {path} is not writable ({e.strerror or e})") from None
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def check_context(target_spec: str, max_new_tokens: int | None, workloads) -> None:
+    """Refuse a generation limit the target's context cannot hold, before its weights load (the
+    KV cache is sized prompt + limit, so 100 000 tokens on an 8192-token model is gigabytes of
+    memory for positions the model was never trained on)."""
+    from specbench.loading import context_length
+
+    limits = [max_new_tokens] if max_new_tokens else [w.max_new_tokens for w in workloads]
+    ctx = context_length(target_spec)
+    if ctx is not None and max(limits) >= ctx:
+        flag = "--max-new-tokens" if max_new_tokens else "the workload's max_new_tokens"
+        raise UserError(f"{flag} {max(limits)} does not fit {target_spec}'s context of {ctx} tokens "
+                        f"(prompt + generated tokens must fit; use at most {ctx - 1})")
 
 
 def check_device(device: str) -> str:
@@ -347,6 +381,7 @@ def cmd_run(args) -> int:
     check_writable(out, "file")
     if out.exists():
         read_records(out, repair=False)  # a malformed file fails now, not after the model loads
+    check_context(args.target, args.max_new_tokens, [workload])
 
     from specbench.envinfo import environment
 
@@ -436,6 +471,8 @@ def cmd_sweep(args) -> int:
         raise UserError(f"{records_file} exists but {settings_file} does not; use another --out")
     if records_file.exists():
         read_records(records_file, repair=False)
+    if args.executor == "local":  # a Ray cluster's model need not exist here
+        check_context(args.target, args.max_new_tokens, workloads)
 
     from specbench.envinfo import environment
 

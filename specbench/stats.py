@@ -95,7 +95,7 @@ def load_results(path: str | Path) -> pd.DataFrame:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{f}:{lineno}: malformed results record ({e.msg}, column {e.colno})") from None
+                    raise UserError(f"{f}:{lineno}: malformed results record (column {e.colno}: {e.msg})") from None
                 if not isinstance(rec, dict):
                     raise UserError(f"{f}:{lineno}: results record is not a JSON object")
                 missing = [k for k in _REQUIRED if k not in rec]
