@@ -1,4 +1,4 @@
-"""Command line: `python -m specbench {run,sweep,list,report} ...`.
+"""Command line: `python -m specbench {run,sweep,compare,report,list,simulate,train,calibrate,profile,regress} ...`.
 
 Every input problem is reported as ONE line, `specbench: error: <message>`, on stderr with exit
 status 2, before any output file is created or any model is loaded. Ctrl-C exits with 130; the
@@ -91,27 +91,46 @@ def parse_scalar(raw: str):
     return value
 
 
+COMMAND_NAMES = ("run", "sweep", "compare", "report", "list", "simulate", "train", "calibrate", "profile", "regress")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specbench")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
-    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress}", parser_class=_Parser)
+    p.add_argument("--version", action="version", version=f"specbench {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMAND_NAMES) + "}", parser_class=_Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
-        sp.add_argument("--limit", type=_positive_int, help="use the first N requests of each workload")
-        sp.add_argument("--max-new-tokens", type=_positive_int, help="generation limit (default: the workload's)")
-        sp.add_argument("--top-p", type=_top_p, default=1.0)
-        sp.add_argument("--seed", type=_nonneg_int, default=0)
-        sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        sp.add_argument("--limit", type=_positive_int, help="use the first N requests of each workload"
+                        + (f" (default {RUN_DEFAULT_LIMIT}; --all for every one)" if single else " (default: all)"))
+        sp.add_argument("--max-new-tokens", type=_positive_int,
+                        help="generation limit per request, below the target's context (default: the workload's)")
+        sp.add_argument("--top-p", type=_top_p, default=1.0,
+                        help="nucleus sampling: keep the smallest token set with this much probability, in (0, 1] "
+                             "(default 1: off; unused at temperature 0)")
+        sp.add_argument("--seed", type=_nonneg_int, default=0,
+                        help="sampling seed; every policy gets the same per-batch seeds from it (default 0)")
+        sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
         sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
     r = sub.add_parser("run", help="one policy on one workload", description="Run one policy on one workload.")
     r.add_argument("--policy", required=True, help="policy name, baseline (hf, hf-assisted, hf-pld) or spec .toml")
     r.add_argument("--workload", required=True, help="workload name, spec .toml or .jsonl file")
     common(r, True)
-    r.add_argument("--batch-size", type=_positive_int, default=1)
+    r.add_argument("--batch-size", type=_positive_int, default=1, help="requests decoded together (default 1)")
     r.add_argument("--all", action="store_true",
                    help=f"every request of the workload (default without --limit: the first {RUN_DEFAULT_LIMIT})")
-    r.add_argument("--temperature", type=_temperature, default=0.0)
+    r.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature, ≥ 0 (default 0: greedy, token-identical to ar)")
     r.add_argument("--out", help="results .jsonl (default results/run-<policy>-<workload>-<UTC time>.jsonl); "
                                  "an existing file is resumed")
     r.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
@@ -119,11 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sweep", help="policies × workloads × batch sizes × repeats, interleaved",
                        description="Sweep policies × workloads × batch sizes × temperatures × repeats.")
-    s.add_argument("--policies", type=_list_of(str, "policy names"), required=True)
-    s.add_argument("--workloads", type=_list_of(str, "workload names"), required=True)
-    s.add_argument("--batch-sizes", type=_list_of(_positive_int, "positive integers"), default=[1])
-    s.add_argument("--repeats", type=_positive_int, default=1)
-    s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0])
+    s.add_argument("--policies", type=_list_of(str, "policy names"), required=True,
+                   help="comma-separated policy names or spec .toml files, e.g. ar,pld,dspark (include ar: "
+                        "speedups are paired against it)")
+    s.add_argument("--workloads", type=_list_of(str, "workload names"), required=True,
+                   help="comma-separated workload names, spec .toml or .jsonl files, e.g. code,chat")
+    s.add_argument("--batch-sizes", type=_list_of(_positive_int, "positive integers"), default=[1],
+                   help="comma-separated batch sizes, e.g. 1,4,16 (default 1)")
+    s.add_argument("--repeats", type=_positive_int, default=1, help="times each request is decoded (default 1)")
+    s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0],
+                   help="comma-separated sampling temperatures, e.g. 0,1 (default 0: greedy)")
     s.add_argument("--out", required=True, help="results directory (records.jsonl + sweep.json); resumed if it exists")
     s.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this process (default); ray: each cell a Ray task (pip install -e \".[ray]\")")
@@ -145,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("a", help="policy name (the numerator)")
     cmp.add_argument("b", help="policy name (the denominator)")
     cmp.add_argument("--metric", choices=["tokens_per_s", "tau"], default="tokens_per_s",
-                     help="tokens_per_s (speed) or tau (tokens per verify round: drafter quality, no timing noise)")
+                     help="tokens_per_s (speed, the default) or tau (tokens per verify round: drafter quality, no timing noise)")
     cmp.add_argument("--by-category", action="store_true", help="one cell per workload category too")
     cmp.add_argument("--csv", help="also write the table as csv")
 
@@ -158,24 +182,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")
-    cal.add_argument("--drafter", default="drafters/smollm2-135m/dspark")
+    cal.add_argument("--drafter", default="drafters/smollm2-135m/dspark",
+                     help="DSpark drafter directory; the fit is written beside it (default %(default)s)")
     cal.add_argument("--data", required=True, help="the drafter's training data directory (its validation split is used)")
-    cal.add_argument("--target", default=DEFAULT_TARGET)
-    cal.add_argument("--prompts", type=_positive_int, default=24)
+    cal.add_argument("--target", default=DEFAULT_TARGET, help=f"the drafter's target model (default {DEFAULT_TARGET})")
+    cal.add_argument("--prompts", type=_positive_int, default=24,
+                     help="held-out prompts to roll out (default %(default)s)")
     cal.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0, 1.0],
-                     help="sampling temperatures to fit at, one STS fit each (default 0,1)")
-    cal.add_argument("--max-new-tokens", type=_positive_int, default=384)
-    cal.add_argument("--batch-size", type=_positive_int, default=8)
-    cal.add_argument("--device", default="cpu")
+                     help="comma-separated sampling temperatures to fit at, one STS fit each (default 0,1)")
+    cal.add_argument("--max-new-tokens", type=_positive_int, default=384,
+                     help="tokens per rollout (default %(default)s)")
+    cal.add_argument("--batch-size", type=_positive_int, default=8, help="rollouts decoded together (default %(default)s)")
+    cal.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     cal.set_defaults(func=cmd_calibrate)
 
     prof = sub.add_parser("profile", help="measure the target's verify cost on this device",
                           description="Measure target forward time vs batch size and verify length; store the cost profile.")
-    prof.add_argument("--target", default=DEFAULT_TARGET)
-    prof.add_argument("--device", default="cpu")
-    prof.add_argument("--context", type=_positive_int, default=256)
-    prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16])
-    prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8])
+    prof.add_argument("--target", default=DEFAULT_TARGET, help=f"model to measure (default {DEFAULT_TARGET})")
+    prof.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    prof.add_argument("--context", type=_positive_int, default=256,
+                      help="tokens already in the KV cache when a step is timed (default %(default)s)")
+    prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16],
+                      help="comma-separated batch sizes to time (default 1,2,4,8,16)")
+    prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8],
+                      help="comma-separated verify lengths q (tokens per row per forward) to time (default 1,2,4,8)")
     prof.add_argument("--out", required=True, help="profile .json to write")
     prof.set_defaults(func=cmd_profile)
     return p
@@ -630,7 +660,7 @@ def main(argv=None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0)
         if not args.command:
-            raise UserError("choose a command: run, sweep, list, report, simulate, train, calibrate, profile, regress (see specbench --help)")
+            raise UserError(f"choose a command: {', '.join(COMMAND_NAMES)} (see specbench --help)")
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         return args.func(args)

@@ -242,9 +242,36 @@ def test_sweep_refuses_other_settings(tmp_path, capsys, jsonl):
 
 
 def test_no_command_and_help(capsys):
-    _one_error_line(capsys, main([]), "choose a command")
+    line = _one_error_line(capsys, main([]), "choose a command")
     assert main(["--help"]) == 0
-    assert "run" in capsys.readouterr().out
+    usage = capsys.readouterr().out
+    for name in cli.COMMAND_NAMES:
+        assert name in line and name in usage.splitlines()[1] + usage.splitlines()[2], name
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("specbench ")
+
+
+def _subparsers():
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_every_option_is_described():
+    """Every option of every command has a help text; options that take a list say how it is
+    separated, and the numeric ones people change say their default."""
+    commands = _subparsers()
+    assert set(commands) == set(cli.COMMAND_NAMES)
+    for name, sp in commands.items():
+        for action in sp._actions:
+            if not action.option_strings or action.help == cli.argparse.SUPPRESS or "-h" in action.option_strings:
+                continue
+            flag = action.option_strings[-1]
+            assert action.help, f"{name} {flag} has no help"
+            if isinstance(action.default, list) and not isinstance(action, cli.argparse._AppendAction):
+                assert "comma-separated" in action.help, f"{name} {flag}: say the list is comma-separated"
+            if action.default not in (None, False) and not isinstance(action.default, list):
+                assert "default" in action.help, f"{name} {flag}: show the default {action.default!r}"
 
 
 def test_param_values_are_toml_scalars():
