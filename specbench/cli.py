@@ -443,7 +443,7 @@ def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, t
     med = f"{statistics.median(tps):.1f} tok/s" if tps else "n/a"
     thr = f"{sum(t for t, _ in batches.values()) / wall:.1f} tok/s" if wall > 0 else "n/a"
     resumed = f" ({result.skipped} already in the file)" if result.skipped else ""
-    return "\n".join([
+    lines = [
         f"specbench run: {policy} on {workload}, batch size {batch_size}, temperature {temperature:g}",
         f"  requests      {len(recs)}{resumed}",
         f"  tau (mean)    {tau}",
@@ -451,7 +451,27 @@ def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, t
         f"  per-user      {med} (median)",
         f"  throughput    {thr}",
         f"  results       {result.path}",
-    ])
+    ]
+    return "\n".join(lines + [f"  note          {n}" for n in run_notes(recs, batch_size)])
+
+
+def run_notes(recs: list[dict], batch_size: int) -> list[str]:
+    """What the numbers above do not say: stalled requests, rounds the draft gate skipped
+    (definitions in specbench.stats)."""
+    import pandas as pd
+
+    from specbench import stats
+
+    if not recs:
+        return []
+    df = pd.DataFrame(recs)
+    for c in ("workload", "batch_size", "temperature", "policy"):
+        if c not in df:
+            df[c] = None
+    notes = [stats._stall_note(stats.stalled_requests(df))]
+    rounds, skipped = stats._gate_counts(df)
+    notes.append(stats._gate_note(df, rounds, skipped, batch_size))
+    return [n for n in notes if n]
 
 
 def sweep_settings(args, policy_names, workloads, device) -> dict:
@@ -544,10 +564,15 @@ def sweep_summary(records_file: Path) -> str:
     df = load_results(records_file)
     s = summarize(df)
     cols = [c for c in ("workload", "batch_size", "temperature", "policy", "n", "speedup", "speedup_ci_low",
-                        "speedup_ci_high", "p_holm", "tau", "acceptance_rate", "tps_median", "throughput", "note")
+                        "speedup_ci_high", "p_holm", "tau", "acceptance_rate", "tps_median", "throughput")
             if c in s.columns]
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_colwidth", 40):
-        return s[cols].to_string(index=False, float_format=lambda x: f"{x:.3g}")
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        table = s[cols].to_string(index=False, float_format=lambda x: f"{x:.3g}")
+    # Notes in full below the table (too few prompts to test, stalled timings, the draft gate): a
+    # truncated column would hide exactly what says how far to trust a row.
+    notes = [f"  {r['workload']} b={r['batch_size']} T={r['temperature']:g} {r['policy']}: {r['note']}"
+             for _, r in s.iterrows() if r["note"] and r["note"] != "baseline"]
+    return table + ("\nnotes:\n" + "\n".join(notes) if notes else "")
 
 
 def cmd_list(args) -> int:
@@ -620,16 +645,33 @@ def cmd_compare(args) -> int:
         raise UserError(f"results path not found: {results}")
     if args.csv:
         check_writable(Path(args.csv), "file")
-    table = stats.compare_policies(stats.load_results(results), args.a, args.b, metric=args.metric,
-                                   by_category=args.by_category)
+    df = stats.load_results(results)
+    srcs = stats.sources(df)
+    # Records of different sweeps (or run directories) are never paired with each other: the
+    # source is part of the cell, and the output groups the cells by it.
+    by = (["source"] if len(srcs) > 1 else []) + ["workload"] + (["category"] if args.by_category else []) + \
+        ["batch_size", "temperature"]
+    table = stats.compare_policies(df, args.a, args.b, metric=args.metric, by=by)
     if table.empty:
-        raise UserError(f"{args.a} and {args.b} share no prompts in any cell of {results}")
+        raise UserError(f"{args.a} and {args.b} share no prompts in any cell of {results}"
+                        + (f" (records of different sweeps are not paired: {len(srcs)} here)" if len(srcs) > 1 else ""))
     cols = [c for c in ("workload", "category", "batch_size", "temperature") if c in table.columns]
     what = "tokens/s" if args.metric == "tokens_per_s" else "τ"
     print(f"{args.a} vs {args.b}: geometric-mean ratio of per-prompt {what} [95% CI], Wilcoxon p, Holm across {len(table)} cells")
+    if len(srcs) > 1:
+        print(f"{results} holds {len(srcs)} sweeps or run directories; each is compared on its own, never pooled:")
+    source = None
     for _, r in table.iterrows():
+        if len(srcs) > 1 and r["source"] != source:
+            source = r["source"]
+            print(f"{source}:")
         cell = "  ".join(f"{c}={r[c]:g}" if isinstance(r[c], float) else f"{c}={r[c]}" for c in cols)
-        verdict = ("higher" if r["ratio"] > 1 else "lower") if r["significant"] else "no significant difference"
+        if r["significant"]:
+            verdict = "higher" if r["ratio"] > 1 else "lower"
+        elif r["too_few"]:  # the test could not have rejected at this n: not evidence of no difference
+            verdict = f"too few prompts to test ({int(r['n_needed'])} needed)"
+        else:
+            verdict = "no significant difference"
         print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
               f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
     if args.csv:

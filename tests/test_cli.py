@@ -392,3 +392,42 @@ def test_e2e_fixed_k_batched_equals_ar(tmp_path):
     for r in recs:
         assert r["output_ids"] == ar[r["prompt_id"]], (r["batch_size"], r["prompt_id"])
         assert r["drafted"] > 0 and r["drafter"] == "truncate:8"
+
+
+def test_compare_and_report_keep_sweeps_apart(tmp_path, capsys):
+    """`compare results/ dspark ar` over committed sweeps and the user's own runs: each sweep (and
+    the directory of loose run files) is compared on its own, never pooled; `report` refuses
+    more than one."""
+    from fakerecords import make_records, write_records
+
+    root = tmp_path / "results"
+    for name, seed, slow in (("sweeps/old", 1, 0.5), ("sweeps/other", 2, 2.0)):
+        recs = make_records(workloads={"code": ["code"]}, policies=("ar", "pld"), batch_sizes=(1,), n_prompts=8, seed=seed)
+        for r in recs:
+            if r["policy"] == "pld":  # a different machine state: pld's rate scaled by `slow`
+                r["tokens_per_s"] *= slow
+        write_records(root / name / "records.jsonl", recs)
+        (root / name / "sweep.json").write_text("{}")
+    mine = make_records(workloads={"code": ["code"]}, policies=("ar", "pld"), batch_sizes=(1,), n_prompts=8, seed=3)
+    write_records(root / "run-ar-code.jsonl", [r for r in mine if r["policy"] == "ar"])
+    write_records(root / "run-pld-code.jsonl", [r for r in mine if r["policy"] == "pld"])
+
+    assert main(["compare", str(root), "pld", "ar", "--csv", str(tmp_path / "c.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "3 sweeps or run directories; each is compared on its own, never pooled" in out
+    blocks = {line.rstrip(":") for line in out.splitlines() if line.endswith(":") and "never pooled" not in line}
+    assert set(blocks) == {str(root), str(root / "sweeps/old"), str(root / "sweeps/other")}
+    assert out.count("n=8") == 3  # one cell per source, 8 prompts each: nothing paired across sources
+    assert "too few" not in out  # 8 prompts in a family of 3 cells can reach Holm p < 0.05 (7 suffice)
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "c.csv")
+    ratio = dict(zip(table["source"], table["ratio"]))
+    assert ratio[str(root / "sweeps/other")] > 3 * ratio[str(root / "sweeps/old")]
+    # one source alone: no grouping
+    assert main(["compare", str(root / "sweeps/old"), "pld", "ar"]) == 0
+    assert "never pooled" not in capsys.readouterr().out
+
+    line = _one_error_line(capsys, main(["report", str(root), "--html", str(tmp_path / "r.html")]),
+                           "3 different sweeps or run directories", "give one of them")
+    assert str(root / "sweeps/old") in line and not (tmp_path / "r.html").exists()
