@@ -663,7 +663,7 @@ h1{font-size:1.6em;margin-bottom:0.2em}h2{font-size:1.2em;margin-top:1.8em;borde
 .muted{color:#666;font-size:0.9em}
 table{border-collapse:collapse;font-size:0.8em;margin:8px 0;width:100%}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#eef2f7}td{white-space:nowrap}td:last-child{white-space:normal}
+th{background:#eef2f7}td{white-space:nowrap}td:last-child{white-space:normal;min-width:12em}
 .scroll{overflow-x:auto}tbody tr:nth-child(even){background:#fafafa}
 .sig{color:#c00;font-weight:bold}
 figure{margin:12px 0}figure img{max-width:100%;height:auto;border:1px solid #eee}

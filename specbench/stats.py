@@ -642,9 +642,8 @@ def _flag_too_few(out: pd.DataFrame, tested: pd.Series) -> None:
         if n == 0 or n >= need:
             continue
         out.at[i, "too_few"] = True
-        family = f"Holm over {m} cells" if m > 1 else "a single cell"
-        note = (f"n = {n} too few to test: Wilcoxon with {family} cannot reach p < {ALPHA:g} "
-                f"below n = {need}")
+        family = f"Holm over {m} cells" if m > 1 else "one cell"
+        note = f"n = {n} too few to test: Wilcoxon, {family}, needs n ≥ {need} to reach p < {ALPHA:g}"
         old = out.at[i, "note"] if isinstance(out.at[i, "note"], str) else ""
         out.at[i, "note"] = "; ".join(x for x in (note, old) if x)
 

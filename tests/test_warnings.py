@@ -73,10 +73,10 @@ def test_too_few_prompts_is_said_not_no_difference(tmp_path):
     s = stats.summarize(stats.load_results(f), n_resamples=200)
     pld = s[s["policy"] == "pld"]
     assert pld["too_few"].all() and (pld["n_needed"] == 7).all() and not pld["significant"].any()
-    assert all("n = 4 too few to test" in n and "below n = 7" in n for n in pld["note"])
+    assert all("n = 4 too few to test" in n and "needs n ≥ 7" in n for n in pld["note"])
     assert not s[s["policy"] == "ar"]["too_few"].any()
     summary = cli.sweep_summary(f)
-    assert summary.count("too few to test") == 2 and "below n = 7" in summary
+    assert summary.count("too few to test") == 2 and "needs n ≥ 7" in summary
     html, _ = _report_text(tmp_path, f)
     assert "pld vs ar on code, b = 1, T = 0:" in html and "too few prompts to test (n = 4, 7 needed)" in html
     assert "2 of 2 compared cells have too few prompts" in html
