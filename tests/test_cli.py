@@ -431,3 +431,20 @@ def test_compare_and_report_keep_sweeps_apart(tmp_path, capsys):
     line = _one_error_line(capsys, main(["report", str(root), "--html", str(tmp_path / "r.html")]),
                            "3 different sweeps or run directories", "give one of them")
     assert str(root / "sweeps/old") in line and not (tmp_path / "r.html").exists()
+
+
+def test_settings_refusal_names_the_flag_not_a_file():
+    """The refusal for records of other settings says 'use another --out' (a sweep's --out is a
+    directory, a run's a file), not 'write to another file'."""
+    from types import SimpleNamespace
+
+    from specbench.errors import UserError
+    from specbench.runner import check_compatible
+
+    engine = SimpleNamespace(name="dspark", params=lambda: {"gamma": 7, "draft_gate": True}, drafter="d")
+    workload = SimpleNamespace(name="code", max_new_tokens=48)
+    old = {"policy": "dspark", "workload": "code", "policy_params": {"gamma": 7}}
+    with pytest.raises(UserError, match="use another --out") as e:
+        check_compatible([old], [engine], [workload], target="t", max_new_tokens=48, top_p=1.0, device="cpu",
+                         path=Path("results/sweeps/demo/records.jsonl"))
+    assert "another file" not in str(e.value)
