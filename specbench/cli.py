@@ -468,7 +468,7 @@ def run_notes(recs: list[dict], batch_size: int) -> list[str]:
     for c in ("workload", "batch_size", "temperature", "policy"):
         if c not in df:
             df[c] = None
-    notes = [stats._stall_note(stats.stalled_requests(df))]
+    notes = [stats._stall_note(stats.stalled_requests(df), prompts=df.get("prompt_id"))]
     rounds, skipped = stats._gate_counts(df)
     notes.append(stats._gate_note(df, rounds, skipped, batch_size))
     return [n for n in notes if n]

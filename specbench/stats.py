@@ -441,12 +441,16 @@ def stalled_requests(df: pd.DataFrame, cols: Sequence[str] = CELL) -> pd.Series:
     return per_step / median
 
 
-def _stall_note(ratio: pd.Series, who: str = "") -> str:
-    bad = ratio[ratio > STALL_FACTOR]
+def _stall_note(ratio: pd.Series, who: str = "", prompts: pd.Series | None = None) -> str:
+    bad = ratio[ratio > STALL_FACTOR].sort_values(ascending=False)
     if bad.empty:
         return ""
-    return (f"{who}{len(bad)} of {int(ratio.notna().sum())} requests stalled ({bad.min():.0f}–{bad.max():.0f}× the "
-            "cell's median time per round): timings untrustworthy, rerun on an idle machine")
+    which = ""
+    if prompts is not None:  # name the worst few, so they can be found in the records
+        shown = [f"{prompts[i]} {bad[i]:.0f}×" for i in bad.index[:3]]
+        which = ": " + ", ".join(shown) + (", …" if len(bad) > 3 else "")
+    return (f"{who}{len(bad)} of {int(ratio.notna().sum())} requests stalled (time per round vs the cell's median"
+            f"{which}): timings untrustworthy, rerun on an idle machine")
 
 
 def _gate_counts(d: pd.DataFrame) -> tuple[int, int]:
@@ -551,10 +555,10 @@ def summarize(
             row["ttft_median_s"] = float(d["ttft_s"].astype(float).median())
         row["throughput"], row["n_batches"] = _throughput(d)
         row["stalled"] = int((stall[d.index] > STALL_FACTOR).sum())
-        notes.append(_stall_note(stall[d.index]))
+        notes.append(_stall_note(stall[d.index], prompts=d["prompt_id"]))
         if pol != baseline:  # the paired speedup divides by the baseline's timings too
             base = df[(df["policy"] == baseline) & np.logical_and.reduce([(df[c] == cell[c]).to_numpy() for c in cols])]
-            notes.append(_stall_note(stall[base.index], f"{baseline}: "))
+            notes.append(_stall_note(stall[base.index], f"{baseline}: ", base["prompt_id"]))
         row["timing_suspect"] = any(n and "stalled" in n for n in notes)
         row["rounds_traced"], row["gate_skipped"] = _gate_counts(d)
         notes.append(_gate_note(d, row["rounds_traced"], row["gate_skipped"], cell["batch_size"]))

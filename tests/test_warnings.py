@@ -102,6 +102,7 @@ def test_stalled_request_flagged_in_summary_and_report(tmp_path):
     s = stats.summarize(stats.load_results(f), n_resamples=200)
     ar, pld = s[s["policy"] == "ar"].iloc[0], s[s["policy"] == "pld"].iloc[0]
     assert ar["stalled"] == 1 and ar["timing_suspect"] and "1 of 12 requests stalled" in ar["note"]
+    assert re.search(r"vs the cell's median: p3 \d+×\)", ar["note"]), ar["note"]
     assert pld["stalled"] == 0 and pld["timing_suspect"]  # its speedup divides by ar's stalled timing
     assert "ar: 1 of 12 requests stalled" in pld["note"]
     assert "stalled" in cli.sweep_summary(f) and "untrustworthy" in cli.sweep_summary(f)
