@@ -28,3 +28,14 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under SPECBENCH_NO_SKIPS=1 (a fresh set-up must have everything): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped at import (`pytest.importorskip("ray")`)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("SPECBENCH_NO_SKIPS") == "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under SPECBENCH_NO_SKIPS=1 (a fresh set-up must have everything): {reason}"

@@ -57,3 +57,31 @@ def test_setup_check_runs():
                        text=True, timeout=120)
     assert p.returncode in (0, 1)
     assert ("everything the tests need is installed" in p.stdout) == (p.returncode == 0), p.stdout + p.stderr
+
+
+def test_no_skips_under_ci(tmp_path):
+    """Under SPECBENCH_NO_SKIPS=1 (.ci/run) a skipped test and a module skipped at import fail;
+    without it they skip as usual."""
+    import os
+    import shutil
+    import sys
+
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_skips.py").write_text("import pytest\n\ndef test_tool():\n    pytest.skip('tool missing')\n\n"
+                                            "def test_fine():\n    pass\n")
+    (tmp_path / "test_mod.py").write_text("import pytest\npytest.importorskip('no_such_module_for_specbench')\n")
+
+    def run(name, **env):
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                            str(tmp_path / name)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, **env})
+        return p.returncode, p.stdout.strip().splitlines()[-1]
+
+    rc, last = run("test_skips.py", SPECBENCH_NO_SKIPS="1")
+    assert rc == 1 and "1 failed, 1 passed" in last, last
+    rc, last = run("test_mod.py", SPECBENCH_NO_SKIPS="1")
+    assert rc != 0 and "1 error" in last, last
+    rc, last = run("test_skips.py", SPECBENCH_NO_SKIPS="0")
+    assert rc == 0 and "1 passed, 1 skipped" in last, last
+    rc, last = run("test_mod.py", SPECBENCH_NO_SKIPS="0")
+    assert rc == 0 and "1 skipped" in last, last
