@@ -84,4 +84,4 @@ def test_no_skips_under_ci(tmp_path):
     rc, last = run("test_skips.py", SPECBENCH_NO_SKIPS="0")
     assert rc == 0 and "1 passed, 1 skipped" in last, last
     rc, last = run("test_mod.py", SPECBENCH_NO_SKIPS="0")
-    assert rc == 0 and "1 skipped" in last, last
+    assert rc in (0, 5) and "1 skipped" in last, last  # 5: nothing left to run
