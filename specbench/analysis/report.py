@@ -12,8 +12,11 @@ file or a directory of them), runs :mod:`specbench.analysis.stats`, and writes:
    ``simulation/`` beside a results file): the simulated per-user tokens/s against throughput
    across concurrency (Pareto view) and the mean verify length against concurrency;
 
-plus the summary table (CIs, Holm-corrected significance), a "where speculation stops
-paying" table and the run environment. Figures are drawn on bare ``matplotlib.figure.Figure``
+at the top one verdict line per policy and cell, the sweep's settings and decode wall time and the
+caveats that limit the table (too few prompts to test, stalled timings, the draft gate:
+specbench/stats.py); then the summary table (CIs, Holm-corrected significance), a "where
+speculation stops paying" table and the run environment. A report covers one sweep (or one
+directory of run files): results of several are refused, never pooled. Figures are drawn on bare ``matplotlib.figure.Figure``
 objects (Agg canvas; pyplot's global state is never touched), embedded in the HTML as base64
 PNG (no scripts, no external URLs) and written to the PDF with ``PdfPages``. Each output is
 rendered fully in memory and then written atomically (temp file + rename), so a failure never
@@ -37,7 +40,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.backends.backend_pdf import PdfPages
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
 from specbench.analysis import stats
 from specbench.errors import UserError
@@ -106,12 +109,29 @@ def _empty_figure(title: str, text: str) -> Figure:
     return fig
 
 
+_SPEEDUP_TICKS = [  # finest first; each a subset-ish of the one before
+    [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0],
+    [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0],
+    [0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.0, 10.0],
+    [0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0],
+    [0.01, 0.1, 1.0, 10.0, 100.0],
+]
+
+
 def _speedup_axis(ax, values: Sequence[float]):
     v = np.asarray([x for x in values if x is not None and np.isfinite(x) and x > 0], dtype=float)
     lo, hi = (min(v.min(), 1.0), max(v.max(), 1.0)) if v.size else (0.5, 2.0)
     ax.set_yscale("log")
-    ax.set_ylim(lo / 1.15, hi * 1.15)
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)))
+    ymin, ymax = lo / 1.15, hi * 1.15
+    ax.set_ylim(ymin, ymax)
+    # Each label once (a LogLocator with subs > 1 put 0.8 at 0.08·10 and 0.8·1: drawn twice), and
+    # no more than ~7 of them: the finest ladder of "nice" ratios that is not crowded.
+    for ladder in _SPEEDUP_TICKS:
+        ticks = [t for t in ladder if ymin <= t <= ymax]
+        if len(ticks) <= 7:
+            break
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}×"))
     ax.axhline(1.0, color="#888", lw=1, ls="--", zorder=0)
@@ -240,13 +260,23 @@ def fig_position(pos: pd.DataFrame, colors) -> Figure:
     fig.suptitle(title, fontsize=12, fontweight="bold")
     bss = sorted(pos["batch_size"].unique())
     ls = {b: _LINESTYLES[i % len(_LINESTYLES)] for i, b in enumerate(bss)}
+    marker = {b: _MARKERS[i % len(_MARKERS)] for i, b in enumerate(bss)}
+    # Greedy decoding gives the same acceptance at every batch size for a deterministic drafter (pld):
+    # a small x offset per batch size keeps coinciding curves, and their line styles, visible.
+    shift = {b: 0.08 * (i - (len(bss) - 1) / 2) for i, b in enumerate(bss)}
     for j, ((wl, t), d) in enumerate(panels):
         for row, (col, ylabel) in enumerate([("acceptance", "P(accepted ≥ k | drafted ≥ k)"), ("conditional", "conditional: acc[k] / acc[k−1]")]):
             ax = axes[row, j]
             for (pol, b), dp in d.groupby(["policy", "batch_size"], sort=True):
                 dp = dp.sort_values("position")
-                ax.plot(dp["position"], dp[col], color=colors[pol], ls=ls[b], marker="o", ms=3, lw=1.4, label=f"{pol}, b={b}")
-            ax.set_ylim(0, 1.05)
+                ax.plot(dp["position"] + shift[b], dp[col], color=colors[pol], ls=ls[b], marker=marker[b], ms=4,
+                        mfc="white", lw=1.6, label=f"{pol}, b={b}")
+            # The conditional value is a ratio of two rates with different denominators (rounds that
+            # drafted ≥ k vs ≥ k−1), so with variable draft lengths it can exceed 1: show all of it.
+            top = np.nanmax(d[col].to_numpy(float)) if d[col].notna().any() else 1.0
+            ax.set_ylim(0, max(1.05, top * 1.08))
+            if top > 1:
+                ax.axhline(1.0, color="#888", lw=0.8, ls="--", zorder=0)
             ax.grid(color="#eee")
             ax.tick_params(labelsize=8)
             ax.set_ylabel(ylabel, fontsize=8)
@@ -382,15 +412,125 @@ def breakeven_table(summary: pd.DataFrame) -> pd.DataFrame:
     for (wl, t, pol), d in s.groupby(["workload", "temperature", "policy"], sort=True):
         d = d.sort_values("batch_size")
         paired = d["n"] > 0  # batch sizes with no AR records on the same prompts are not a "no difference"
+        # too few prompts for the test to reject at all: not evidence of "no difference" either
+        few = paired & (d["too_few"].fillna(False).astype(bool) if "too_few" in d else False)
         gain = d[paired & d["significant"] & (d["speedup"] > 1)]["batch_size"]
         loss = d[paired & d["significant"] & (d["speedup"] < 1)]["batch_size"]
-        none = d[paired & ~d["significant"]]["batch_size"]
+        none = d[paired & ~d["significant"] & ~few]["batch_size"]
         j = lambda v: ", ".join(map(str, v)) or "–"  # noqa: E731
         rows.append({"Workload": wl, "T": _fmt_temp(t), "Policy": pol, "faster (Holm p<0.05)": j(gain),
                      "no significant difference": j(none), "slower (Holm p<0.05)": j(loss),
+                     "too few prompts to test": j(f"{r['batch_size']}{_ci_side(r)}" for _, r in d[few].iterrows()),
                      "no AR to compare": j(d[~paired]["batch_size"])})
-    return pd.DataFrame(rows, columns=["Workload", "T", "Policy", "faster (Holm p<0.05)", "no significant difference",
-                                       "slower (Holm p<0.05)", "no AR to compare"])
+    out = pd.DataFrame(rows, columns=["Workload", "T", "Policy", "faster (Holm p<0.05)", "no significant difference",
+                                      "slower (Holm p<0.05)", "too few prompts to test", "no AR to compare"])
+    if (out["too few prompts to test"] == "–").all():  # shown only where some cell could not be tested
+        out = out.drop(columns="too few prompts to test")
+    return out
+
+
+def _ci_side(r) -> str:
+    """' (CI above 1)' / ' (CI below 1)' where the speedup's CI excludes 1, else ''."""
+    lo, hi = r["speedup_ci_low"], r["speedup_ci_high"]
+    if np.isfinite(lo) and lo > 1:
+        return " (CI above 1)"
+    if np.isfinite(hi) and hi < 1:
+        return " (CI below 1)"
+    return ""
+
+
+def verdicts(summary: pd.DataFrame) -> list[str]:
+    """One line per policy and cell, the answer first: "dspark vs ar on code, b = 1, T = 0: 0.93×
+    [0.88, 0.98], slower", with what limits it (too few prompts, stalled timings, the draft gate)."""
+    lines = []
+    for _, r in summary[summary["policy"] != stats.BASELINE].iterrows():
+        head = f"{r['policy']} vs {stats.BASELINE} on {r['workload']}, b = {r['batch_size']}, T = {_fmt_temp(r['temperature'])}"
+        if not r["n"] > 0:
+            lines.append(f"{head}: no {stats.BASELINE} records on the same prompts")
+            continue
+        est = _fmt_ci(r["speedup"], r["speedup_ci_low"], r["speedup_ci_high"], suffix="×")
+        if r["significant"]:
+            word = "faster" if r["speedup"] > 1 else "slower"
+        elif r.get("too_few") is True:
+            side = _ci_side(r).strip(" ()")
+            word = f"too few prompts to test (n = {int(r['n'])}, {int(r['n_needed'])} needed)" + (f"; {side}" if side else "")
+        else:
+            word = "no significant difference"
+        extra = []
+        if r.get("timing_suspect") is True:
+            extra.append("timings untrustworthy (stalled requests)")
+        if r.get("gate_skipped", 0) and r["gate_skipped"] > 0:
+            share = r["gate_skipped"] / r["rounds_traced"]
+            extra.append("drafted nothing (draft gate)" if not np.isfinite(r["acceptance_rate"])
+                         else f"draft gate skipped {100 * share:.0f}% of rounds")
+        lines.append(f"{head}: {est}, {word}" + "".join(f"; {e}" for e in extra))
+    return lines
+
+
+def caveats(summary: pd.DataFrame) -> list[str]:
+    """What limits the whole table, said once at the top (each cell's note says it in detail)."""
+    s = summary[(summary["policy"] != stats.BASELINE) & (summary["n"] > 0)]
+    out = []
+    few = s[s["too_few"].fillna(False).astype(bool)]
+    if len(few):
+        ns = ", ".join(map(str, sorted(set(few["n"].astype(int)))))
+        out.append(f"{len(few)} of {len(s)} compared cells have too few prompts (n = {ns}) for Wilcoxon with Holm "
+                   f"across the table ever to reach p < {stats.ALPHA:g}: {int(few['n_needed'].max())} are needed. "
+                   "Read their CIs, not their p-values (\"no significant difference\" would mean nothing there).")
+    stalled = summary[summary["stalled"].fillna(0) > 0]
+    if len(stalled):
+        cells = ", ".join(f"{r['policy']} {r['workload']} b = {r['batch_size']}" for _, r in stalled.iterrows())
+        out.append(f"Stalled requests (decode time per verify round > {stats.STALL_FACTOR:g}× the cell's median) in: {cells}. "
+                   "Their tokens/s, throughput and the speedups paired on them are untrustworthy; τ and acceptance are not "
+                   "affected. Rerun those cells on an idle machine.")
+    gate = s[s["gate_skipped"].fillna(0) > 0]
+    if len(gate):
+        cells = ", ".join(f"{r['policy']} {r['workload']} b = {r['batch_size']} "
+                          f"({100 * r['gate_skipped'] / r['rounds_traced']:.0f}%)" for _, r in gate.iterrows())
+        out.append(f"DSpark's draft gate skipped drafting in some rounds, because the device's cost profile said drafting "
+                   f"would not pay there: {cells}. τ near 1 in those cells means \"did not draft\", not \"drafted badly\".")
+    return out
+
+
+def settings_lines(df: pd.DataFrame) -> list[str]:
+    """The sweep's settings (its sweep.json when there is one, else what the records say) and its
+    decode wall time."""
+    import json
+
+    src = stats.sources(df)
+    settings_file = Path(src[0]) / "sweep.json" if src else None
+    lines = []
+    if settings_file is not None and settings_file.is_file():
+        try:
+            st = json.loads(settings_file.read_text())
+        except (OSError, ValueError):
+            st = None
+        if isinstance(st, dict):
+            keys = ("policies", "workloads", "batch_sizes", "temperatures", "repeats", "limit", "max_new_tokens",
+                    "top_p", "seed", "target", "device")
+            fmt = lambda v: ", ".join(map(str, v)) if isinstance(v, list) else ("all" if v is None else str(v))  # noqa: E731
+            lines.append("Settings (" + str(settings_file) + "): " +
+                         "; ".join(f"{k.replace('_', ' ')} {fmt(st[k])}" for k in keys if k in st))
+    if not lines:
+        vals = lambda c: ", ".join(map(str, sorted(set(df[c].dropna())))) if c in df else "?"  # noqa: E731
+        lines.append(f"Settings (from the records): target {vals('target')}; device {vals('device')}; "
+                     f"max new tokens {vals('max_new_tokens')}; top p {vals('top_p')}; seed {vals('seed')}")
+    if {"batch_id", "batch_wall_s"} <= set(df.columns):
+        b = df.dropna(subset=["batch_id"]).drop_duplicates(subset=["batch_id"])
+        wall = float(b["batch_wall_s"].astype(float).sum())
+        started = sorted(set(df["env.time"].dropna())) if "env.time" in df else []
+        when = f", started {started[0].replace('T', ' ').rstrip('Z')} UTC" if started else ""
+        lines.append(f"Wall time decoding: {_duration(wall)} over {len(b)} batches{when} (sum of batch wall times; "
+                     "model load, warm-up and cost profiling not included)")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if not np.isfinite(seconds):
+        return "–"
+    m, s_ = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h} h {m} min" if h else (f"{m} min {s_} s" if m else f"{seconds:.1f} s")
 
 
 def calibration_tables(df: pd.DataFrame, n_resamples: int = 500) -> list[tuple[str, pd.DataFrame]]:
@@ -441,8 +581,21 @@ def _html_table(t: pd.DataFrame, cls: str = "") -> str:
     return f"<div class='scroll'><table class='{cls}'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
-def _table_pages(t: pd.DataFrame, title: str, rows_per_page: int = 24, col_widths: dict | None = None) -> list[Figure]:
-    """Landscape A4 pages holding a formatted table (for the PDF)."""
+def _footnoted(t: pd.DataFrame, col: str) -> tuple[pd.DataFrame, list[str]]:
+    """Replace the long text of column `col` by footnote marks [1], [2] … (one per distinct text):
+    the PDF's table keeps every column readable and the notes are printed in full below it."""
+    texts = list(dict.fromkeys(v for v in t[col] if v))
+    marks = {v: f"[{i}]" for i, v in enumerate(texts, 1)}
+    t = t.copy()
+    t[col] = [marks.get(v, "") for v in t[col]]
+    return t, [f"{marks[v]} {v}" for v in texts]
+
+
+def _table_pages(t: pd.DataFrame, title: str, rows_per_page: int = 24, col_widths: dict | None = None,
+                 footnotes: Sequence[str] = (), then: tuple[pd.DataFrame, str] | None = None) -> list[Figure]:
+    """Landscape A4 pages holding a formatted table (for the PDF), `footnotes` printed in full
+    under it, and optionally a second small table (`then`: table, title) below on the last page
+    when it fits, else on its own page."""
     figs = []
     if t.empty:
         return figs
@@ -450,28 +603,49 @@ def _table_pages(t: pd.DataFrame, title: str, rows_per_page: int = 24, col_width
     for p in range(pages):
         chunk = t.iloc[p * rows_per_page : (p + 1) * rows_per_page]
         fig = Figure(figsize=(11.69, 8.27), dpi=_DPI)
-        ax = fig.subplots()
-        ax.axis("off")
-        ax.set_title(title + (f" ({p + 1}/{pages})" if pages > 1 else ""), fontsize=12, fontweight="bold", loc="left")
-        cells = chunk.astype(str).to_numpy().tolist()
-        tab = ax.table(cellText=cells, colLabels=list(chunk.columns), cellLoc="left", loc="upper left")
-        tab.auto_set_font_size(False)
-        tab.auto_set_column_width(list(range(len(chunk.columns))))
-        size = 9.0
-        tab.set_fontsize(size)
-        # measure once and shrink the font so the table fits the page width
-        renderer = FigureCanvasAgg(fig).get_renderer()
-        tw, aw = tab.get_window_extent(renderer).width, ax.get_window_extent(renderer).width
-        if tw > aw:
-            tab.set_fontsize(max(5.0, size * aw / tw * 0.97))
-        tab.scale(1, 1.3)
-        for (i, _), cell in tab.get_celld().items():
-            cell.set_edgecolor("#ccc")
-            if i == 0:
-                cell.set_facecolor("#eef2f7")
-                cell.set_text_props(fontweight="bold")
+        top = _draw_table(fig, chunk, title + (f" ({p + 1}/{pages})" if pages > 1 else ""), 0.94)
+        if p == pages - 1:
+            notes = [w for f in footnotes for w in _wrap(f, 190)]
+            if notes:
+                fig.text(0.05, top - 0.02, "\n".join(notes), fontsize=7.5, va="top", linespacing=1.4)
+                top -= 0.02 + 0.0185 * len(notes) + 0.02
+            if then is not None and not then[0].empty:
+                if top - 0.06 - 0.035 * (len(then[0]) + 1) > 0.03:
+                    _draw_table(fig, then[0], then[1], top - 0.02)
+                else:
+                    figs.append(fig)
+                    fig = Figure(figsize=(11.69, 8.27), dpi=_DPI)
+                    _draw_table(fig, then[0], then[1], 0.94)
         figs.append(fig)
     return figs
+
+
+def _draw_table(fig: Figure, t: pd.DataFrame, title: str, top: float) -> float:
+    """Draw `t` under `title` from height `top` (figure fraction) down; returns its bottom. Each
+    column is as wide as its longest text (a fitted font otherwise squeezes short columns such as
+    b / T / n until their text runs together) and the font is chosen so the whole row fits."""
+    fig.text(0.05, top, title, fontsize=12, fontweight="bold", va="top")
+    # a cell longer than a line would shrink the whole table's font: cut it (the HTML has it whole)
+    cells = [[v if len(v) <= 110 else v[:109] + "…" for v in row] for row in t.astype(str).to_numpy().tolist()]
+    chars = [max([len(str(c))] + [len(row[i]) for row in cells]) + 2 for i, c in enumerate(t.columns)]
+    left, width = 0.05, 0.90
+    size = min(9.0, width * fig.get_figwidth() * 72 / (0.62 * sum(chars)))
+    row_h = size * 1.9 / 72 / fig.get_figheight()
+    height = row_h * (len(cells) + 1)
+    bottom = top - 0.035 - height
+    ax = fig.add_axes((left, bottom, width, height))
+    ax.axis("off")
+    tab = ax.table(cellText=cells, colLabels=list(t.columns), cellLoc="left", loc="upper left",
+                   colWidths=[c / sum(chars) for c in chars], bbox=(0, 0, 1, 1))
+    tab.auto_set_font_size(False)
+    tab.set_fontsize(size)
+    for (i, _), cell in tab.get_celld().items():
+        cell.set_edgecolor("#ccc")
+        cell.PAD = 0.02
+        if i == 0:
+            cell.set_facecolor("#eef2f7")
+            cell.set_text_props(fontweight="bold")
+    return bottom
 
 
 def _text_page(title: str, lines: list[str]) -> Figure:
@@ -492,12 +666,14 @@ h1{font-size:1.6em;margin-bottom:0.2em}h2{font-size:1.2em;margin-top:1.8em;borde
 .muted{color:#666;font-size:0.9em}
 table{border-collapse:collapse;font-size:0.8em;margin:8px 0;width:100%}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#eef2f7}td{white-space:nowrap}td:last-child{white-space:normal}
+th{background:#eef2f7}td{white-space:nowrap}td:last-child{white-space:normal;min-width:12em}
 .scroll{overflow-x:auto}tbody tr:nth-child(even){background:#fafafa}
 .sig{color:#c00;font-weight:bold}
 figure{margin:12px 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
 figcaption{font-size:0.85em;color:#555}
 .env td:first-child{white-space:nowrap;font-weight:600}
+.verdicts{font-size:0.95em;margin:4px 0 8px 0}.verdicts li{margin:1px 0}
+.warn{background:#fff6e0;border-left:4px solid #e0a000;padding:6px 10px;font-size:0.9em;margin:6px 0}
 """
 
 
@@ -570,6 +746,11 @@ def write_report(
         raise UserError("nothing to write: give an HTML path, a PDF path, or both")
     results_path = Path(results_path)
     df = stats.load_results(results_path)
+    srcs = stats.sources(df)
+    if len(srcs) > 1:  # pooling sweeps would pair requests measured at different times and settings
+        shown = ", ".join(srcs[:4]) + (f" and {len(srcs) - 4} more" if len(srcs) > 4 else "")
+        raise UserError(f"{results_path} holds records of {len(srcs)} different sweeps or run directories ({shown}); "
+                        "a report covers one: give one of them (`specbench compare` keeps them apart)")
     title = title or f"specbench report: {results_path.name or results_path}"
     summary = stats.summarize(df, n_resamples=n_resamples, seed=seed)
     cats = df.groupby("workload")["category"].nunique()
@@ -591,7 +772,9 @@ def write_report(
         ("Per-user rate vs throughput", "Each point is one batch size (labelled b=…); up = faster for each user, "
          "right = more tokens/s for the machine. Error bars: 95% CI of the median per-user rate.", fig_pareto(summary, colors)),
         ("Per-position acceptance", "Top: unconditional acceptance at draft position k = rounds accepting ≥ k drafts / rounds "
-         "verifying ≥ k drafts. Bottom: conditional = ratio of consecutive unconditional values. Line style = batch size.",
+         "verifying ≥ k drafts. Bottom: conditional = ratio of consecutive unconditional values (above 1 where "
+         "fewer rounds drafted k than k−1 tokens, e.g. prompt lookup's variable lengths). Line style and marker = batch "
+         "size (points shifted sideways per batch size so equal curves stay visible).",
          fig_position(pos, colors)),
         ("τ distributions", "Tokens emitted per verify round (accepted drafts + bonus token), one value per request.",
          fig_tau(df, colors)),
@@ -614,6 +797,9 @@ def write_report(
             f"batch sizes {', '.join(map(str, sorted(df['batch_size'].unique())))}; generated {generated}.")
     if df.attrs.get("duplicates_dropped"):
         meta += f" {df.attrs['duplicates_dropped']} duplicate record(s) (same key) ignored."
+    verdict = verdicts(summary)
+    caveat = caveats(summary)
+    setting = settings_lines(df)
 
     try:
         if html_path is not None:
@@ -622,10 +808,18 @@ def write_report(
                 "<meta name='viewport' content='width=device-width,initial-scale=1'>",
                 f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
                 f"<h1>{html.escape(title)}</h1><p class='muted'>{html.escape(meta)}</p>",
+                "".join(f"<p class='muted'>{html.escape(x)}</p>" for x in setting),
+                "<h2>Verdicts</h2><p class='muted'>Geometric-mean speedup per prompt vs AR [95% CI]; faster / slower "
+                "= Holm p &lt; 0.05.</p><ul class='verdicts'>",
+                "".join(f"<li>{html.escape(v)}</li>" for v in verdict) or "<li>no speculative policy to compare</li>",
+                "</ul>",
+                "".join(f"<p class='warn'>{html.escape(c)}</p>" for c in caveat),
                 f"<h2>Summary</h2><p class='muted'>{html.escape(method)}</p>",
                 _html_table(table),
                 "<h2>Where speculation stops paying</h2><p class='muted'>Batch sizes at which each policy is "
-                "significantly faster than AR, not distinguishable from it, or significantly slower (Holm p &lt; 0.05).</p>",
+                "significantly faster than AR, not distinguishable from it, or significantly slower (Holm p &lt; 0.05)"
+                + ("; 'too few prompts to test': the test could not have rejected at this n, whatever the data"
+                   if "too few prompts to test" in be.columns else "") + ".</p>",
                 _html_table(be),
             ]
             for i, (h, cap, fig) in enumerate(figs, 1):
@@ -643,13 +837,21 @@ def write_report(
 
         if pdf_path is not None:
             buf = io.BytesIO()
-            pages = [_text_page(title, [meta, "", *_wrap(method, 150)])]
-            narrow = table.drop(columns=["med. log s", "r_rb", "Note"])
-            pages += _table_pages(narrow, "Summary (* = Holm p < 0.05)")
-            pages += _table_pages(be, "Where speculation stops paying")
+            first = [*_wrap(meta, 150), *[w for x in setting for w in _wrap(x, 150)], "", "Verdicts (speedup vs AR "
+                     "[95% CI]; faster / slower = Holm p < 0.05):"]
+            shown = verdict[:24]
+            first += [f"  • {w}" for v in shown for w in _wrap(v, 145)]
+            if len(verdict) > len(shown):
+                first.append(f"  (+{len(verdict) - len(shown)} more: see the summary table)")
+            first += ["", *[w for c in caveat for w in _wrap("! " + c, 150)], "", *_wrap(method, 150)]
+            pages = [_text_page(title, first)]
+            narrow, footnotes = _footnoted(table.drop(columns=["med. log s", "r_rb"]), "Note")
+            pages += _table_pages(narrow, "Summary (* = Holm p < 0.05)", footnotes=footnotes,
+                                  then=(be, "Where speculation stops paying"))
             pages += [f for _, _, f in figs]
             if table_cat is not None:
-                pages += _table_pages(table_cat.drop(columns=["med. log s", "r_rb", "Note"]), "Summary per category")
+                cat_narrow, cat_notes = _footnoted(table_cat.drop(columns=["med. log s", "r_rb"]), "Note")
+                pages += _table_pages(cat_narrow, "Summary per category", footnotes=cat_notes)
             for name, t in calibration:
                 pages += _table_pages(t, f"Confidence calibration (held-out): {name}")
             pages += _table_pages(env.rename(columns={"field": "Field", "value": "Value"}), "Run environment", rows_per_page=30)

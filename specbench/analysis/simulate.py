@@ -529,7 +529,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "per-user tokens/s and throughput at each concurrency; DSpark re-schedules on the replayed confidences.")
     p.add_argument("--trace", required=True, help="results directory or .jsonl whose records carry traces, e.g. results/sweeps/NAME/")
     p.add_argument("--profile", required=True, help="cost profile json from `specbench profile` (any device)")
-    p.add_argument("--concurrency", type=_list_of(_positive_int, "positive integers"), default=[1, 4, 16, 64, 256])
+    p.add_argument("--concurrency", type=_list_of(_positive_int, "positive integers"), default=[1, 4, 16, 64, 256],
+                   help="comma-separated numbers of requests in flight (default 1,4,16,64,256)")
     p.add_argument("--mode", choices=(*MODES, "both"), default="continuous",
                    help="continuous batching (default), static batches as the core runs them, or both")
     p.add_argument("--requests", type=_positive_int, help="requests per cell (default: continuous max(8·c, recorded), "

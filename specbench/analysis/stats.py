@@ -31,6 +31,21 @@ Conventions (the report and the README quote these):
   per-user tokens/s = median over prompts (percentile-bootstrap CI).
   throughput = Σ batch_generated_tokens / Σ batch_wall_s over the cell's unique batch_id.
 * Cells with n < 2, or whose values are all identical, get NaN CIs and a ``note``.
+* **Too few prompts to test**: the exact two-sided Wilcoxon p of n pairs is at least 2 / 2^n (all
+  differences of one sign), and Holm multiplies the smallest p of the family by the number m of
+  tested cells. A cell with m · p_min(n) ≥ 0.05 can never be significant, whatever its data:
+  ``too_few`` is set and the note says so and which n the family would need (n = 4: p ≥ 0.125
+  even alone; 6 prompts suffice for one cell, 9 for ten). Such a cell is not "no difference".
+* **Stalled requests**: a request whose decode time per verify round exceeds
+  ``STALL_FACTOR`` (3) × the median of its cell (same workload, batch size, temperature and
+  policy) was stalled by something outside the decode (a loaded machine, swapping): ``stalled``
+  counts them, and the cell's timings (tokens/s, throughput, the speedups paired on them, the
+  baseline's included) are flagged in the note as untrustworthy (``timing_suspect``). τ and
+  acceptance do not depend on timing and stay valid.
+* **Draft gate** (DSpark, ``policy_params.draft_gate``): rounds whose trace ``confidence`` is
+  ``[]`` were decoded without drafting because the gate judged drafting would not pay on the
+  device's cost profile; ``gate_skipped`` / ``rounds_traced`` count them and the note says so (a
+  τ of 1 then means "did not draft", not "drafted badly").
 """
 
 from __future__ import annotations
@@ -52,6 +67,7 @@ DEFAULT_RESAMPLES = 2000
 DEFAULT_SEED = 0
 CONFIDENCE = 0.95
 ALPHA = 0.05
+STALL_FACTOR = 3.0  # decode time per round above this × the cell's median: a stalled request
 
 # Fields a record must have for the analysis to pair it (docs/records.md).
 _REQUIRED = ("policy", "workload", "prompt_id", "batch_size", "temperature", "tokens_per_s")
@@ -73,6 +89,23 @@ def _jsonl_files(path: Path) -> list[Path]:
     raise UserError(f"results path not found: {path}")
 
 
+def _source(f: Path, root: Path) -> str:
+    """Which sweep or set of runs a records file belongs to: the nearest directory (from the file
+    up to ``root``) holding a ``sweep.json``, else the file's own directory (a `run` writes one
+    file per policy beside the others, and those pair with each other)."""
+    for d in f.parents:
+        if (d / "sweep.json").is_file():
+            return str(d)
+        if d == root:
+            break
+    return str(f.parent)
+
+
+def sources(df: pd.DataFrame) -> list[str]:
+    """The distinct ``source`` values of loaded records (see :func:`load_results`), in order."""
+    return sorted(df["source"].unique()) if "source" in df.columns else []
+
+
 def load_results(path: str | Path) -> pd.DataFrame:
     """Read results records from a ``.jsonl`` file or every ``*.jsonl`` under a directory.
 
@@ -80,7 +113,10 @@ def load_results(path: str | Path) -> pd.DataFrame:
     dict fields (``policy_params``, ``trace``) stay dicts, except ``env`` which is flattened
     to ``env.<name>`` columns. Two bookkeeping columns are added: ``_file`` and ``_line``.
     Records repeated with the same ``key`` (e.g. a file copied twice) are kept once (first
-    seen); the number dropped is in ``df.attrs["duplicates_dropped"]``.
+    seen); the number dropped is in ``df.attrs["duplicates_dropped"]``. ``source`` names the
+    sweep directory (the nearest one with a ``sweep.json``) or, for loose run files, the directory
+    a file lies in: records of different sources were measured at different times under different
+    settings and must not be paired or pooled (``compare`` keeps them apart, ``report`` refuses).
 
     A line that is not a JSON object, or lacks a field the analysis needs, raises
     :class:`specbench.errors.UserError` naming the file and line number.
@@ -88,6 +124,7 @@ def load_results(path: str | Path) -> pd.DataFrame:
     path = Path(path)
     rows: list[dict] = []
     for f in _jsonl_files(path):
+        source = _source(f, path) if path.is_dir() else str(f.parent)
         with open(f, encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
@@ -95,7 +132,7 @@ def load_results(path: str | Path) -> pd.DataFrame:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{f}:{lineno}: malformed results record ({e.msg}, column {e.colno})") from None
+                    raise UserError(f"{f}:{lineno}: malformed results record (column {e.colno}: {e.msg})") from None
                 if not isinstance(rec, dict):
                     raise UserError(f"{f}:{lineno}: results record is not a JSON object")
                 missing = [k for k in _REQUIRED if k not in rec]
@@ -111,6 +148,7 @@ def load_results(path: str | Path) -> pd.DataFrame:
                         rec[f"env.{k}"] = v
                 rec["_file"] = str(f)
                 rec["_line"] = lineno
+                rec["source"] = source
                 rows.append(rec)
     if not rows:
         raise UserError(f"no results records in {path}")
@@ -182,6 +220,24 @@ def wilcoxon_p(d: Sequence[float]) -> tuple[float, str]:
             return float(_st.wilcoxon(d).pvalue), ""
         except ValueError as e:  # pragma: no cover - scipy edge cases
             return float("nan"), f"wilcoxon failed: {e}"
+
+
+def wilcoxon_min_p(n: int) -> float:
+    """The smallest two-sided p ``wilcoxon_p`` can return for n pairs: all differences of one sign
+    and distinct (2 / 2^n where scipy uses the exact distribution, n ≤ 50)."""
+    if n < 2:
+        return float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(_st.wilcoxon(np.arange(1.0, n + 1)).pvalue)
+
+
+def min_n_to_reject(m: int, alpha: float = ALPHA) -> int:
+    """The fewest pairs with which a cell in a Holm family of m tests can reach p_holm < alpha."""
+    n = 2
+    while max(m, 1) * wilcoxon_min_p(n) >= alpha:
+        n += 1
+    return n
 
 
 def bootstrap_ci(
@@ -367,6 +423,60 @@ def _throughput(d: pd.DataFrame) -> tuple[float, int]:
     return float(b["batch_generated_tokens"].astype(float).sum() / wall), len(b)
 
 
+def stalled_requests(df: pd.DataFrame, cols: Sequence[str] = CELL) -> pd.Series:
+    """Per record: decode time per verify round (per generated token where rounds are not
+    recorded) divided by its cell's median (cell = ``cols`` + policy); a ratio above
+    ``STALL_FACTOR`` marks a stalled request (module docstring). Per round, not per token: a
+    request whose drafts were rarely accepted takes more rounds for its tokens, not longer ones.
+    NaN where the record has no usable timing."""
+    if "decode_s" not in df or "generated_tokens" not in df:
+        return pd.Series(np.nan, index=df.index)
+    steps = (df["generated_tokens"].astype(float) - 1).clip(lower=1)
+    if "rounds" in df:
+        rounds = pd.to_numeric(df["rounds"], errors="coerce")
+        steps = rounds.where(rounds > 0, steps)
+    per_step = df["decode_s"].astype(float) / steps
+    per_step = per_step.where(np.isfinite(per_step) & (per_step > 0))
+    median = per_step.groupby([df[c] for c in [*cols, "policy"]], dropna=False).transform("median")
+    return per_step / median
+
+
+def _stall_note(ratio: pd.Series, who: str = "", prompts: pd.Series | None = None) -> str:
+    bad = ratio[ratio > STALL_FACTOR].sort_values(ascending=False)
+    if bad.empty:
+        return ""
+    which = ""
+    if prompts is not None:  # name the worst few, so they can be found in the records
+        shown = [f"{prompts[i]} {bad[i]:.0f}×" for i in bad.index[:3]]
+        which = ": " + ", ".join(shown) + (", …" if len(bad) > 3 else "")
+    return (f"{who}{len(bad)} of {int(ratio.notna().sum())} requests stalled (time per round vs the cell's median"
+            f"{which}): timings untrustworthy, rerun on an idle machine")
+
+
+def _gate_counts(d: pd.DataFrame) -> tuple[int, int]:
+    """(rounds with a confidence trace, rounds the draft gate skipped) of one cell's records."""
+    if "trace" not in d:
+        return 0, 0
+    rounds = skipped = 0
+    for t in d["trace"]:
+        conf = t.get("confidence") if isinstance(t, dict) else None
+        if isinstance(conf, list):
+            rounds += len(conf)
+            skipped += sum(1 for c in conf if not c)
+    return rounds, skipped
+
+
+def _gate_note(d: pd.DataFrame, rounds: int, skipped: int, batch_size) -> str:
+    if not skipped:
+        return ""
+    drafted = pd.to_numeric(d.get("drafted", pd.Series(dtype=float)), errors="coerce").sum()
+    why = f"the cost profile says drafting does not pay at b = {batch_size}"
+    if drafted == 0:
+        return (f"drafted nothing: the draft gate skipped {skipped} of {rounds} rounds and the scheduler verified "
+                f"no draft in the {rounds - skipped} it probed ({why})")
+    return f"draft gate skipped {skipped} of {rounds} rounds ({100 * skipped / rounds:.0f}%: {why})"
+
+
 def summarize(
     df: pd.DataFrame,
     *,
@@ -396,6 +506,7 @@ def summarize(
     rows = []
     policies = sorted(df["policy"].unique(), key=lambda p: (p != baseline, p))
     paired = {p: paired_log_ratios(df, p, baseline, by=cols) for p in policies if p != baseline}
+    stall = stalled_requests(df, cols)
     for cell, d in df.groupby(cols + ["policy"], dropna=False, sort=True):
         cell = dict(zip(cols + ["policy"], cell))
         pol = cell["policy"]
@@ -443,6 +554,14 @@ def summarize(
         if "ttft_s" in d:
             row["ttft_median_s"] = float(d["ttft_s"].astype(float).median())
         row["throughput"], row["n_batches"] = _throughput(d)
+        row["stalled"] = int((stall[d.index] > STALL_FACTOR).sum())
+        notes.append(_stall_note(stall[d.index], prompts=d["prompt_id"]))
+        if pol != baseline:  # the paired speedup divides by the baseline's timings too
+            base = df[(df["policy"] == baseline) & np.logical_and.reduce([(df[c] == cell[c]).to_numpy() for c in cols])]
+            notes.append(_stall_note(stall[base.index], f"{baseline}: ", base["prompt_id"]))
+        row["timing_suspect"] = any(n and "stalled" in n for n in notes)
+        row["rounds_traced"], row["gate_skipped"] = _gate_counts(d)
+        notes.append(_gate_note(d, row["rounds_traced"], row["gate_skipped"], cell["batch_size"]))
         row["note"] = "; ".join(dict.fromkeys(n for n in notes if n))
         rows.append(row)
     order = cols + [
@@ -450,7 +569,7 @@ def summarize(
         "median_log_speedup", "rank_biserial", "speedup_ratio_of_means", "speedup_time_weighted",
         "tau", "tau_ci_low", "tau_ci_high", "tau_pooled", "acceptance_rate", "acceptance_ci_low",
         "acceptance_ci_high", "tps_median", "tps_ci_low", "tps_ci_high", "ttft_median_s", "throughput",
-        "n_batches", "note",
+        "n_batches", "too_few", "n_needed", "stalled", "timing_suspect", "rounds_traced", "gate_skipped", "note",
     ]
     out = pd.DataFrame(rows)
     for c in order:
@@ -458,6 +577,7 @@ def summarize(
             out[c] = np.nan
     out["p_holm"] = holm(out["p"].to_numpy(dtype=float))
     out["significant"] = out["p_holm"] < ALPHA
+    _flag_too_few(out, out["policy"] != baseline)
     out["_base"] = out["policy"] != baseline  # baseline first within each cell
     out = out.sort_values(cols + ["_base", "policy"], kind="stable")[order]
     return out.reset_index(drop=True)
@@ -510,7 +630,26 @@ def compare_policies(
         return pd.DataFrame(columns=cols + ["a", "b", "metric", "n", "ratio", "ratio_ci_low", "ratio_ci_high", "p", "p_holm", "significant"])
     out["p_holm"] = holm(out["p"].to_numpy(dtype=float))
     out["significant"] = out["p_holm"] < ALPHA
+    _flag_too_few(out, pd.Series(True, index=out.index))
     return out
+
+
+def _flag_too_few(out: pd.DataFrame, tested: pd.Series) -> None:
+    """Set ``too_few`` and prepend its note where a cell's n can never reach Holm p < ALPHA in this
+    family (module docstring), so a reader sees "too few prompts", not "no significant difference"."""
+    m = int(np.isfinite(out["p"].to_numpy(dtype=float)).sum())
+    need = min_n_to_reject(m)
+    out["too_few"] = False
+    out["n_needed"] = np.where(tested.to_numpy(), need, np.nan)
+    for i in out.index[tested.to_numpy()]:
+        n = int(out.at[i, "n"]) if pd.notna(out.at[i, "n"]) else 0
+        if n == 0 or n >= need:
+            continue
+        out.at[i, "too_few"] = True
+        family = f"Holm over {m} cells" if m > 1 else "one cell"
+        note = f"n = {n} too few to test: Wilcoxon, {family}, needs n ≥ {need} to reach p < {ALPHA:g}"
+        old = out.at[i, "note"] if isinstance(out.at[i, "note"], str) else ""
+        out.at[i, "note"] = "; ".join(x for x in (note, old) if x)
 
 
 def _sum_lists(lists: Iterable) -> np.ndarray:
@@ -571,9 +710,9 @@ def position_acceptance(
 
 def environment(df: pd.DataFrame) -> pd.DataFrame:
     """The run environment: distinct values of ``env.*`` and run-level fields, one row each."""
-    fields = [c for c in df.columns if c.startswith("env.")] + [
-        c for c in ("target", "device", "max_new_tokens", "top_p") if c in df.columns
-    ]
+    fields = [c for c in df.columns if c.startswith("env.")]
+    fields += [c for c in ("target", "device", "max_new_tokens", "top_p") if c in df.columns
+               and f"env.{c}" not in fields]  # one row per name ("device" is in both env and the record)
     rows = []
     for c in fields:
         vals = df[c].dropna().map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v))
@@ -594,5 +733,5 @@ def environment(df: pd.DataFrame) -> pd.DataFrame:
 
 __all__ = [
     "load_results", "summarize", "compare_policies", "position_acceptance", "paired_log_ratios",
-    "holm", "rank_biserial", "wilcoxon_p", "bootstrap_ci", "gmean_ci", "environment",
+    "holm", "rank_biserial", "wilcoxon_p", "bootstrap_ci", "gmean_ci", "environment", "sources",
 ]

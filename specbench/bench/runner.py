@@ -239,7 +239,9 @@ def read_records(path: str | Path, repair: bool = True) -> list[dict]:
 def _parse_record(line: bytes, path: Path, lineno: int) -> dict:
     try:
         rec = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: line {lineno}: malformed results record (column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
         raise UserError(f"{path}: line {lineno}: malformed results record ({e})") from None
     if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
         raise UserError(f"{path}: line {lineno}: not a results record (a JSON object with a 'key')")
@@ -448,7 +450,7 @@ def check_compatible(existing: Iterable[dict], engines: list[Engine], workloads:
             if f in rec and rec[f] != exp[f]:
                 raise UserError(
                     f"{path} already holds {rec['policy']}/{rec['workload']} records with {f}={json.dumps(rec[f])}, "
-                    f"not {json.dumps(exp[f])}; write to another file"
+                    f"not {json.dumps(exp[f])}; use another --out"
                 )
 
 

@@ -146,7 +146,7 @@ def _iter_json_lines(path: Path) -> Iterator[tuple[int, dict]]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise UserError(
-                        f"{path}: line {lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
+                        f"{path}: line {lineno}: malformed JSON (column {exc.colno}: {exc.msg})"
                     ) from None
                 if not isinstance(obj, dict):
                     raise UserError(

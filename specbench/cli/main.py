@@ -1,4 +1,4 @@
-"""Command line: `python -m specbench {run,sweep,list,report} ...`.
+"""Command line: `python -m specbench {run,sweep,compare,report,list,simulate,train,calibrate,profile,regress} ...`.
 
 Every input problem is reported as ONE line, `specbench: error: <message>`, on stderr with exit
 status 2, before any output file is created or any model is loaded. Ctrl-C exits with 130; the
@@ -15,6 +15,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -90,27 +91,46 @@ def parse_scalar(raw: str):
     return value
 
 
+COMMAND_NAMES = ("run", "sweep", "compare", "report", "list", "simulate", "train", "corpus", "calibrate", "profile", "regress")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specbench")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
-    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress}", parser_class=_Parser)
+    p.add_argument("--version", action="version", version=f"specbench {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMAND_NAMES) + "}", parser_class=_Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
-        sp.add_argument("--limit", type=_positive_int, help="use the first N requests of each workload")
-        sp.add_argument("--max-new-tokens", type=_positive_int, help="generation limit (default: the workload's)")
-        sp.add_argument("--top-p", type=_top_p, default=1.0)
-        sp.add_argument("--seed", type=_nonneg_int, default=0)
-        sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        sp.add_argument("--limit", type=_positive_int, help="use the first N requests of each workload"
+                        + (f" (default {RUN_DEFAULT_LIMIT}; --all for every one)" if single else " (default: all)"))
+        sp.add_argument("--max-new-tokens", type=_positive_int,
+                        help="generation limit per request, below the target's context (default: the workload's)")
+        sp.add_argument("--top-p", type=_top_p, default=1.0,
+                        help="nucleus sampling: keep the smallest token set with this much probability, in (0, 1] "
+                             "(default 1: off; unused at temperature 0)")
+        sp.add_argument("--seed", type=_nonneg_int, default=0,
+                        help="sampling seed; every policy gets the same per-batch seeds from it (default 0)")
+        sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
         sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
     r = sub.add_parser("run", help="one policy on one workload", description="Run one policy on one workload.")
     r.add_argument("--policy", required=True, help="policy name, baseline (hf, hf-assisted, hf-pld) or spec .toml")
     r.add_argument("--workload", required=True, help="workload name, spec .toml or .jsonl file")
     common(r, True)
-    r.add_argument("--batch-size", type=_positive_int, default=1)
+    r.add_argument("--batch-size", type=_positive_int, default=1, help="requests decoded together (default 1)")
     r.add_argument("--all", action="store_true",
                    help=f"every request of the workload (default without --limit: the first {RUN_DEFAULT_LIMIT})")
-    r.add_argument("--temperature", type=_temperature, default=0.0)
+    r.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature, ≥ 0 (default 0: greedy, token-identical to ar)")
     r.add_argument("--out", help="results .jsonl (default results/run-<policy>-<workload>-<UTC time>.jsonl); "
                                  "an existing file is resumed")
     r.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
@@ -121,11 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sweep", help="policies × workloads × batch sizes × repeats, interleaved",
                        description="Sweep policies × workloads × batch sizes × temperatures × repeats.")
-    s.add_argument("--policies", type=_list_of(str, "policy names"), required=True)
-    s.add_argument("--workloads", type=_list_of(str, "workload names"), required=True)
-    s.add_argument("--batch-sizes", type=_list_of(_positive_int, "positive integers"), default=[1])
-    s.add_argument("--repeats", type=_positive_int, default=1)
-    s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0])
+    s.add_argument("--policies", type=_list_of(str, "policy names"), required=True,
+                   help="comma-separated policy names or spec .toml files, e.g. ar,pld,dspark (include ar: "
+                        "speedups are paired against it)")
+    s.add_argument("--workloads", type=_list_of(str, "workload names"), required=True,
+                   help="comma-separated workload names, spec .toml or .jsonl files, e.g. code,chat")
+    s.add_argument("--batch-sizes", type=_list_of(_positive_int, "positive integers"), default=[1],
+                   help="comma-separated batch sizes, e.g. 1,4,16 (default 1)")
+    s.add_argument("--repeats", type=_positive_int, default=1, help="times each request is decoded (default 1)")
+    s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0],
+                   help="comma-separated sampling temperatures, e.g. 0,1 (default 0: greedy)")
     s.add_argument("--out", required=True, help="results directory (records.jsonl + sweep.json); resumed if it exists")
     s.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this process (default); ray: each cell a Ray task (pip install -e \".[ray]\")")
@@ -147,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("a", help="policy name (the numerator)")
     cmp.add_argument("b", help="policy name (the denominator)")
     cmp.add_argument("--metric", choices=["tokens_per_s", "tau"], default="tokens_per_s",
-                     help="tokens_per_s (speed) or tau (tokens per verify round: drafter quality, no timing noise)")
+                     help="tokens_per_s (speed, the default) or tau (tokens per verify round: drafter quality, no timing noise)")
     cmp.add_argument("--by-category", action="store_true", help="one cell per workload category too")
     cmp.add_argument("--csv", help="also write the table as csv")
 
@@ -161,24 +186,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")
-    cal.add_argument("--drafter", default="drafters/smollm2-135m/dspark")
+    cal.add_argument("--drafter", default="drafters/smollm2-135m/dspark",
+                     help="DSpark drafter directory; the fit is written beside it (default %(default)s)")
     cal.add_argument("--data", required=True, help="the drafter's training data directory (its validation split is used)")
-    cal.add_argument("--target", default=DEFAULT_TARGET)
-    cal.add_argument("--prompts", type=_positive_int, default=24)
+    cal.add_argument("--target", default=DEFAULT_TARGET, help=f"the drafter's target model (default {DEFAULT_TARGET})")
+    cal.add_argument("--prompts", type=_positive_int, default=24,
+                     help="held-out prompts to roll out (default %(default)s)")
     cal.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0, 1.0],
-                     help="sampling temperatures to fit at, one STS fit each (default 0,1)")
-    cal.add_argument("--max-new-tokens", type=_positive_int, default=384)
-    cal.add_argument("--batch-size", type=_positive_int, default=8)
-    cal.add_argument("--device", default="cpu")
+                     help="comma-separated sampling temperatures to fit at, one STS fit each (default 0,1)")
+    cal.add_argument("--max-new-tokens", type=_positive_int, default=384,
+                     help="tokens per rollout (default %(default)s)")
+    cal.add_argument("--batch-size", type=_positive_int, default=8, help="rollouts decoded together (default %(default)s)")
+    cal.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     cal.set_defaults(func=cmd_calibrate)
 
     prof = sub.add_parser("profile", help="measure the target's verify cost on this device",
                           description="Measure target forward time vs batch size and verify length; store the cost profile.")
-    prof.add_argument("--target", default=DEFAULT_TARGET)
-    prof.add_argument("--device", default="cpu")
-    prof.add_argument("--context", type=_positive_int, default=256)
-    prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16])
-    prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8])
+    prof.add_argument("--target", default=DEFAULT_TARGET, help=f"model to measure (default {DEFAULT_TARGET})")
+    prof.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    prof.add_argument("--context", type=_positive_int, default=256,
+                      help="tokens already in the KV cache when a step is timed (default %(default)s)")
+    prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16],
+                      help="comma-separated batch sizes to time (default 1,2,4,8,16)")
+    prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8],
+                      help="comma-separated verify lengths q (tokens per row per forward) to time (default 1,2,4,8)")
     prof.add_argument("--out", required=True, help="profile .json to write")
     prof.set_defaults(func=cmd_profile)
     return p
@@ -223,25 +254,58 @@ def cmd_profile(args) -> int:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """`path` can be created (or, if it exists, written) without touching anything now."""
+    """`path` can be created (or, if it exists, written), checked by actually doing it and undoing
+    it: `os.access` says yes to root even where the kernel refuses (/proc, read-only mounts)."""
     if path.exists():
         if what == "directory" and not path.is_dir():
             raise UserError(f"output directory {path} exists and is not a directory")
         if what == "file" and path.is_dir():
             raise UserError(f"output file {path} is a directory")
-        target = path if path.is_dir() else path.parent
-        if not os.access(target, os.W_OK | os.X_OK) or (path.is_file() and not os.access(path, os.W_OK)):
-            raise UserError(f"output {what} {path} is not writable")
-        return
-    anc = path.parent
+    anc = path if path.is_dir() else path.parent
     while not anc.exists():
         if anc == anc.parent:
             break
         anc = anc.parent
-    if not anc.is_dir():
+    if anc.exists() and not anc.is_dir():
         raise UserError(f"cannot create output {what} {path}: {anc} is not a directory")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise UserError(f"cannot create output {what} {path}: {anc} is not writable")
+    made: list[Path] = []  # directories this probe created, removed again (deepest first)
+    folder = path if what == "directory" else path.parent
+    try:
+        for d in reversed([folder, *folder.parents]):
+            if not d.exists():
+                d.mkdir()
+                made.append(d)
+        if path.is_file():
+            with open(path, "ab"):  # appending nothing changes neither the content nor the mtime
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".specbench-write-check.", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"output {what} {path} is not writable ({e.strerror or e})") from None
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def check_context(target_spec: str, max_new_tokens: int | None, workloads) -> None:
+    """Refuse a generation limit the target's context cannot hold, before its weights load (the
+    KV cache is sized prompt + limit, so 100 000 tokens on an 8192-token model is gigabytes of
+    memory for positions the model was never trained on)."""
+    from specbench.engine.loading import context_length
+
+    limits = [max_new_tokens] if max_new_tokens else [w.max_new_tokens for w in workloads]
+    ctx = context_length(target_spec)
+    if ctx is not None and max(limits) >= ctx:
+        flag = "--max-new-tokens" if max_new_tokens else "the workload's max_new_tokens"
+        raise UserError(f"{flag} {max(limits)} does not fit {target_spec}'s context of {ctx} tokens "
+                        f"(prompt + generated tokens must fit; use at most {ctx - 1})")
 
 
 def check_device(device: str) -> str:
@@ -351,6 +415,7 @@ def cmd_run(args) -> int:
     check_writable(out, "file")
     if out.exists():
         read_records(out, repair=False)  # a malformed file fails now, not after the model loads
+    check_context(args.target, args.max_new_tokens, [workload])
 
     from specbench.bench.envinfo import environment
 
@@ -442,7 +507,7 @@ def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, t
     med = f"{statistics.median(tps):.1f} tok/s" if tps else "n/a"
     thr = f"{sum(t for t, _ in batches.values()) / wall:.1f} tok/s" if wall > 0 else "n/a"
     resumed = f" ({result.skipped} already in the file)" if result.skipped else ""
-    return "\n".join([
+    lines = [
         f"specbench run: {policy} on {workload}, batch size {batch_size}, temperature {temperature:g}",
         f"  requests      {len(recs)}{resumed}",
         f"  tau (mean)    {tau}",
@@ -450,7 +515,27 @@ def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, t
         f"  per-user      {med} (median)",
         f"  throughput    {thr}",
         f"  results       {result.path}",
-    ])
+    ]
+    return "\n".join(lines + [f"  note          {n}" for n in run_notes(recs, batch_size)])
+
+
+def run_notes(recs: list[dict], batch_size: int) -> list[str]:
+    """What the numbers above do not say: stalled requests, rounds the draft gate skipped
+    (definitions in specbench.analysis.stats)."""
+    import pandas as pd
+
+    from specbench.analysis import stats
+
+    if not recs:
+        return []
+    df = pd.DataFrame(recs)
+    for c in ("workload", "batch_size", "temperature", "policy"):
+        if c not in df:
+            df[c] = None
+    notes = [stats._stall_note(stats.stalled_requests(df), prompts=df.get("prompt_id"))]
+    rounds, skipped = stats._gate_counts(df)
+    notes.append(stats._gate_note(df, rounds, skipped, batch_size))
+    return [n for n in notes if n]
 
 
 def sweep_settings(args, policy_names, workloads, device) -> dict:
@@ -499,6 +584,8 @@ def cmd_sweep(args) -> int:
         raise UserError(f"{records_file} exists but {settings_file} does not; use another --out")
     if records_file.exists():
         read_records(records_file, repair=False)
+    if args.executor == "local":  # a Ray cluster's model need not exist here
+        check_context(args.target, args.max_new_tokens, workloads)
 
     from specbench.bench.envinfo import environment
 
@@ -540,10 +627,15 @@ def sweep_summary(records_file: Path) -> str:
     df = load_results(records_file)
     s = summarize(df)
     cols = [c for c in ("workload", "batch_size", "temperature", "policy", "n", "speedup", "speedup_ci_low",
-                        "speedup_ci_high", "p_holm", "tau", "acceptance_rate", "tps_median", "throughput", "note")
+                        "speedup_ci_high", "p_holm", "tau", "acceptance_rate", "tps_median", "throughput")
             if c in s.columns]
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_colwidth", 40):
-        return s[cols].to_string(index=False, float_format=lambda x: f"{x:.3g}")
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        table = s[cols].to_string(index=False, float_format=lambda x: f"{x:.3g}")
+    # Notes in full below the table (too few prompts to test, stalled timings, the draft gate): a
+    # truncated column would hide exactly what says how far to trust a row.
+    notes = [f"  {r['workload']} b={r['batch_size']} T={r['temperature']:g} {r['policy']}: {r['note']}"
+             for _, r in s.iterrows() if r["note"] and r["note"] != "baseline"]
+    return table + ("\nnotes:\n" + "\n".join(notes) if notes else "")
 
 
 def cmd_list(args) -> int:
@@ -614,16 +706,33 @@ def cmd_compare(args) -> int:
         raise UserError(f"results path not found: {results}")
     if args.csv:
         check_writable(Path(args.csv), "file")
-    table = stats.compare_policies(stats.load_results(results), args.a, args.b, metric=args.metric,
-                                   by_category=args.by_category)
+    df = stats.load_results(results)
+    srcs = stats.sources(df)
+    # Records of different sweeps (or run directories) are never paired with each other: the
+    # source is part of the cell, and the output groups the cells by it.
+    by = (["source"] if len(srcs) > 1 else []) + ["workload"] + (["category"] if args.by_category else []) + \
+        ["batch_size", "temperature"]
+    table = stats.compare_policies(df, args.a, args.b, metric=args.metric, by=by)
     if table.empty:
-        raise UserError(f"{args.a} and {args.b} share no prompts in any cell of {results}")
+        raise UserError(f"{args.a} and {args.b} share no prompts in any cell of {results}"
+                        + (f" (records of different sweeps are not paired: {len(srcs)} here)" if len(srcs) > 1 else ""))
     cols = [c for c in ("workload", "category", "batch_size", "temperature") if c in table.columns]
     what = "tokens/s" if args.metric == "tokens_per_s" else "τ"
     print(f"{args.a} vs {args.b}: geometric-mean ratio of per-prompt {what} [95% CI], Wilcoxon p, Holm across {len(table)} cells")
+    if len(srcs) > 1:
+        print(f"{results} holds {len(srcs)} sweeps or run directories; each is compared on its own, never pooled:")
+    source = None
     for _, r in table.iterrows():
+        if len(srcs) > 1 and r["source"] != source:
+            source = r["source"]
+            print(f"{source}:")
         cell = "  ".join(f"{c}={r[c]:g}" if isinstance(r[c], float) else f"{c}={r[c]}" for c in cols)
-        verdict = ("higher" if r["ratio"] > 1 else "lower") if r["significant"] else "no significant difference"
+        if r["significant"]:
+            verdict = "higher" if r["ratio"] > 1 else "lower"
+        elif r["too_few"]:  # the test could not have rejected at this n: not evidence of no difference
+            verdict = f"too few prompts to test ({int(r['n_needed'])} needed)"
+        else:
+            verdict = "no significant difference"
         print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
               f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
     if args.csv:
@@ -653,7 +762,7 @@ def main(argv=None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0)
         if not args.command:
-            raise UserError("choose a command: run, sweep, list, report, simulate, train, calibrate, profile, regress (see specbench --help)")
+            raise UserError(f"choose a command: {', '.join(COMMAND_NAMES)} (see specbench --help)")
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         return args.func(args)

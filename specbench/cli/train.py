@@ -38,13 +38,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True, choices=list(TRAINERS), help="which drafter to train")
     p.add_argument("--target", default="smollm2-135m", help="target model spec (default: %(default)s)")
     p.add_argument("--budget", default="small", choices=list(BUDGETS),
-                   help="tiny: seconds (tests); small: the 2-core CPU, under an hour; full: one H200, minutes")
+                   help="tiny: seconds (tests); small (the default): the 2-core CPU, under an hour; full: one H200, minutes")
     p.add_argument("--out", help="output directory for the drafter (default: in the cache)")
     p.add_argument("--data", help="training-data directory (built there if it holds none)")
     p.add_argument("--corpus", help="train on this corpus (python -m specbench corpus): the target's features "
                                     "are computed from its token ids into --data (default: in the cache)")
     p.add_argument("--corpus-shards", type=int, default=None, help="use only the corpus' first N shards")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of data order and initialisation (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--tap-layers", help="comma-separated target layers to cache (default: 3 evenly spaced)")

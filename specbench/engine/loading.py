@@ -95,6 +95,19 @@ def load_hf_reference(spec: str, device="cpu", dtype: torch.dtype = torch.float3
     return model.to(device).eval().requires_grad_(False)
 
 
+def context_length(spec: str, cache_dir=None) -> int | None:
+    """The target's context (max_position_embeddings) from its config alone, no weights read: the
+    CLI refuses a generation limit beyond it before loading. Resolving converts or downloads as a
+    load would (once); None when the config does not say."""
+    path, _, _ = resolve(spec, cache_dir)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # loading reports the unreadable config in its own words
+    n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
 def resolve(spec: str, cache_dir=None) -> tuple[Path, str, str]:
     """Map a spec to (local HF directory, name, source), converting or downloading if needed."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
