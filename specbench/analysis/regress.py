@@ -144,7 +144,7 @@ def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | No
         return None, "no cost profile (records name no target): speedup_cost skipped"
     devices = set(base_df["env.device_name"].dropna().astype(str)) if "env.device_name" in base_df else set()
     from specbench.costs import profile as profiles
-    folders = [profiles.REPO_PROFILES]
+    folders = profiles.committed_profiles()
     try:
         from specbench.engine.loading import default_cache_dir
 

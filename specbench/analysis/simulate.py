@@ -159,8 +159,8 @@ def load_costs(profile_path: str | Path) -> Costs:
     device = str(data.get("device_name", ""))
     drafters = {}
     # drafter costs measured on this profile's device: committed, beside the profile, this machine's cache
-    for table in (profiles.REPO_PROFILES / "drafters.json", path.parent / "drafters.json",
-                  default_cache_dir() / "profiles" / "drafters.json"):
+    for table in [*(folder / "drafters.json" for folder in profiles.committed_profiles()),
+                  path.parent / "drafters.json", default_cache_dir() / "profiles" / "drafters.json"]:
         try:
             known = json.loads(table.read_text())
         except (OSError, json.JSONDecodeError):

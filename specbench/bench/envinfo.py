@@ -10,7 +10,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from specbench import resources
 
 
 def _version(pkg: str) -> str | None:
@@ -46,7 +46,7 @@ def device_name(device) -> str:
 
 
 @lru_cache(maxsize=1)
-def git_state(repo: str = str(REPO_ROOT)) -> tuple[str | None, bool | None]:
+def git_state(repo: str = str(resources.SOURCE_ROOT)) -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout specbench runs from; (None, None) outside a git checkout."""
     if not (Path(repo) / ".git").exists():
         return None, None

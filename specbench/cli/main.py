@@ -486,8 +486,11 @@ def cmd_list(args) -> int:
     from specbench.bench import baselines
     from specbench.engine.loading import ALIASES, default_cache_dir
     from specbench.policies.registry import builtin_specs, entry_point_builders, list_policies, read_spec
-    from specbench.bench.workloads import WORKLOADS_DIR, list_workloads
+    from specbench import resources
+    from specbench.bench.workloads import builtin_workloads
+    from specbench.drafters.checkpoints import CONFIG_NAME
 
+    print("specs and drafters from: " + ", ".join(str(r) for r in resources.roots()))
     print("policies:")
     specs, eps = builtin_specs(), entry_point_builders()
     for name in list_policies():
@@ -495,21 +498,32 @@ def cmd_list(args) -> int:
             params = read_spec(name).get("params", {})
         except UserError as e:
             params = {"error": str(e)}
-        where = "entry point" if name in eps and name not in specs else f"policies/{name}.toml"
+        where = "entry point" if name in eps and name not in specs else f"policies/{specs[name].name}"
         desc = ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
         print(f"  {name:<18} {desc}   ({where})")
     print("baselines (peer implementations, run like policies):")
     for name, desc in baselines.BASELINES.items():
         print(f"  {name:<18} {desc}")
     print("workloads:")
-    for name in list_workloads():
+    for name, path in builtin_workloads().items():
         try:
-            spec = tomllib.loads((WORKLOADS_DIR / f"{name}.toml").read_text())
+            spec = tomllib.loads(path.read_text())
             desc = spec.get("description", "")
         except (OSError, tomllib.TOMLDecodeError):
             desc = "(unreadable spec)"
         print(f"  {name:<18} {desc}")
     print("  (or any Spec-Bench / DeepSpec .jsonl file, or a workload .toml spec)")
+    print("drafters (shipped checkpoints):")
+    shipped = {}
+    for folder in resources.folders("drafters"):
+        for config in sorted(folder.glob(f"*/*/{CONFIG_NAME}")):
+            shipped.setdefault(str(config.parent.relative_to(folder.parent)), config.parent)
+    for name, path in sorted(shipped.items()):
+        try:
+            kind = json.loads((path / CONFIG_NAME).read_text()).get("kind", "?")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            kind = f"(unreadable {CONFIG_NAME})"
+        print(f"  {name:<36} {kind}")
     print("models:")
     cache = default_cache_dir() / "models"
     for alias in ALIASES:

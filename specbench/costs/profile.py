@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specbench import resources
 from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
 from specbench.engine.model import Transformer
 from specbench.engine.policy import BatchState, Draft, Policy
@@ -192,7 +193,11 @@ def save(profile_data: dict, path: str | Path) -> None:
 
 PROFILE_BATCHES = (1, 2, 4, 8, 16)
 PROFILE_QS = (1, 2, 4, 8)
-REPO_PROFILES = Path(__file__).resolve().parents[2] / "results" / "profiles"
+
+
+def committed_profiles() -> list[Path]:
+    """The committed profile folders (`results/profiles/`, found as specbench/resources.py says)."""
+    return resources.folders("results/profiles")
 
 
 def device_name(device: torch.device) -> str:
@@ -291,7 +296,7 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
     key = f"{drafter_name}@{drafter_digest(drafter_name)}|{device_name(target.model.device)}"
     cache = (cache_dir or default_cache_dir()) / "profiles" / "drafters.json"
     known = {}
-    for path in (REPO_PROFILES / "drafters.json", cache):
+    for path in [*(folder / "drafters.json" for folder in committed_profiles()), cache]:
         try:
             known = {**json.loads(path.read_text()), **known}
         except (OSError, json.JSONDecodeError):
@@ -312,7 +317,7 @@ def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
     device = target.model.device
     wanted = (target.fingerprint, device_name(device), str(target.model.lm_head.weight.dtype))
     cache = (cache_dir or default_cache_dir()) / "profiles"
-    for folder in (REPO_PROFILES, cache):
+    for folder in [*committed_profiles(), cache]:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
                 data = json.loads(path.read_text())

@@ -19,17 +19,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from specbench import resources
 from specbench.errors import UserError
 from specbench.engine.model import ModelArgs, Transformer, rope_inv_freq
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_NAME = "drafter.json"
 
 
 def resolve_checkpoint(spec: str) -> Path:
-    """A checkpoint directory given as a path, or relative to the repository (shipped drafters)."""
-    for candidate in (Path(spec), REPO_ROOT / spec):
-        if (candidate / CONFIG_NAME).is_file():
+    """A checkpoint directory given as a path, or a shipped drafter by its path in the repository
+    ("drafters/smollm2-135m/eagle", found as specbench/resources.py says)."""
+    for candidate in (Path(spec), resources.find(spec)):
+        if candidate is not None and (candidate / CONFIG_NAME).is_file():
             return candidate
     raise UserError(f"drafter {spec!r}: no {CONFIG_NAME} found there (a drafter checkpoint directory is expected)")
 

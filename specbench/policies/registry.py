@@ -21,15 +21,13 @@ import importlib.metadata
 import tomllib
 from pathlib import Path
 
+from specbench import resources
 from specbench.errors import UserError
 from specbench.engine.policy import Policy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-POLICY_DIR = REPO_ROOT / "policies"
-
-
 def builtin_specs() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(POLICY_DIR.glob("*.toml"))}
+    """{name: spec} of `policies/*.toml` in the shipped folders (specbench/resources.py)."""
+    return resources.files("policies", "*.toml")
 
 
 def entry_point_builders() -> dict[str, importlib.metadata.EntryPoint]:
