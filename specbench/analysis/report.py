@@ -27,8 +27,6 @@ import datetime as _dt
 import html
 import io
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -39,6 +37,7 @@ from matplotlib.backends.backend_pdf import PdfPages
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from specbench import files
 from specbench.analysis import stats
 from specbench.errors import UserError
 
@@ -507,25 +506,6 @@ def _png_b64(fig: Figure) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 _METHOD = (
     "Speedup is paired per prompt: each policy's tokens/s (decode rate per user, TTFT excluded) "
     "is divided by the AR baseline's on the same prompt, turn, batch size and temperature "
@@ -639,7 +619,7 @@ def write_report(
                     parts += [f"<h3>{html.escape(name)}</h3>", _html_table(t)]
             parts += ["<h2>Run environment</h2>", _html_table(env.rename(columns={"field": "Field", "value": "Value"}), "env"),
                       "<p class='muted'>specbench — paired per-prompt statistics; see docs for definitions.</p></body></html>"]
-            _atomic_write(Path(html_path), "".join(parts).encode("utf-8"))
+            files.write_text(Path(html_path), "".join(parts))
 
         if pdf_path is not None:
             buf = io.BytesIO()
@@ -656,7 +636,7 @@ def write_report(
             with PdfPages(buf, metadata={"Title": title, "Creator": "specbench"}) as pdf:
                 for f in pages:
                     pdf.savefig(f, facecolor="white")
-            _atomic_write(Path(pdf_path), buf.getvalue())
+            files.write_bytes(Path(pdf_path), buf.getvalue())
     finally:
         for _, _, f in figs:
             f.clear()

@@ -57,11 +57,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+from specbench import files
 from specbench.engine.core import BatchResult, SamplingConfig, generate
 from specbench.errors import UserError
 from specbench.bench.workloads import Workload, render_prompt
@@ -232,7 +232,7 @@ def read_records(path: str | Path, repair: bool = True) -> list[dict]:
             pass  # truncated by a kill: drop it
         dirty = True
     if dirty and repair:
-        _atomic_rewrite(path, records)
+        files.write_text(path, "".join(json.dumps(rec) + "\n" for rec in records))
     return records
 
 
@@ -244,37 +244,6 @@ def _parse_record(line: bytes, path: Path, lineno: int) -> dict:
     if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
         raise UserError(f"{path}: line {lineno}: not a results record (a JSON object with a 'key')")
     return rec
-
-
-def _atomic_rewrite(path: Path, records: list[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class RecordWriter:

@@ -18,6 +18,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from specbench import files
 from specbench.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -405,7 +406,7 @@ def _settings_diff(old: dict, new: dict) -> str:
 
 
 def cmd_sweep(args) -> int:
-    from specbench.bench.runner import fsync_dir, read_records, run_sweep
+    from specbench.bench.runner import read_records, run_sweep
 
     if args.ray_address and args.executor != "ray":
         raise UserError("--ray-address needs --executor ray")
@@ -441,11 +442,7 @@ def cmd_sweep(args) -> int:
     if args.executor == "local":
         target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
     if not settings_file.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{SWEEP_SETTINGS}.tmp"
-        tmp.write_text(json.dumps(settings, indent=2) + "\n")
-        os.replace(tmp, settings_file)
-        fsync_dir(out)
+        files.write_json(settings_file, settings, indent=2)
     if args.executor == "ray":
         from functools import partial
 
@@ -577,9 +574,7 @@ def cmd_compare(args) -> int:
         print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
               f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
     if args.csv:
-        from specbench.analysis.report import _atomic_write  # the report's whole-file-or-nothing writer
-
-        _atomic_write(Path(args.csv), table.to_csv(index=False).encode("utf-8"))
+        files.write_text(Path(args.csv), table.to_csv(index=False))
         print(f"wrote {args.csv}")
     return 0
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specbench import files
 from specbench import resources
 from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
 from specbench.engine.model import Transformer
@@ -184,11 +185,7 @@ def measure_rounds(model: Transformer, batches, qs, context: int, iters: int = 6
 
 
 def save(profile_data: dict, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(profile_data, indent=1))
-    tmp.replace(path)
+    files.write_json(path, profile_data)
 
 
 PROFILE_BATCHES = (1, 2, 4, 8, 16)

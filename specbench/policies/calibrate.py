@@ -12,14 +12,13 @@ as `calibration.json`; ECE/AUC per position before and after go with it.
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from specbench import files
 from specbench.policies.calibration import calibration_table, fit_sts
 from specbench.engine.core import SamplingConfig, generate
 
@@ -78,8 +77,6 @@ def calibrate(target, drafter: str, data, n_prompts: int = 64, temperatures: tup
         from specbench.drafters.checkpoints import resolve_checkpoint
 
         path = resolve_checkpoint(drafter) / "calibration.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(path)
+        files.write_json(path, result)
         result["path"] = str(path)
     return result

@@ -65,7 +65,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import re
 import time
@@ -78,6 +77,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from specbench import files
 from specbench.engine.core import KV_BUCKET, SamplingConfig, chain_mask, generate, round_up
 from specbench.errors import UserError
 from specbench.engine.policy import Policy
@@ -473,12 +473,6 @@ def _derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, max_tokens: int,
                     pfilter: PromptFilter, progress: bool) -> tuple[list[tuple[str, str]], dict]:
     """Up to `n` accepted Magpie user turns (fewer if attempts run out: 4·n + a batch)."""
@@ -594,7 +588,7 @@ def build_training_data(
     manifest_file = out / "manifest.json"
     if manifest_file.is_file() and build_file.is_file():
         return out  # complete and matching
-    _atomic_write_text(build_file, json.dumps({"build_key": build_key, "settings": settings}, indent=2))
+    files.write_text(build_file, json.dumps({"build_key": build_key, "settings": settings}, indent=2))
 
     # 1. prompts
     prompts_file = out / "prompts.jsonl"
@@ -625,8 +619,8 @@ def build_training_data(
         random.Random(f"order:{seed}").shuffle(chosen)
         records = [{"index": i, "source": s, "text": t} for i, (s, t) in enumerate(chosen)]
         rejected = dict(pfilter.rejected)
-        _atomic_write_text(out / "prompts.meta.json", json.dumps({"magpie": magpie_stats, "rejected": rejected}))
-        _atomic_write_text(prompts_file, "".join(json.dumps(r) + "\n" for r in records))
+        files.write_text(out / "prompts.meta.json", json.dumps({"magpie": magpie_stats, "rejected": rejected}))
+        files.write_text(prompts_file, "".join(json.dumps(r) + "\n" for r in records))
     bad = [r["index"] for r in records if overlap.overlaps(r["text"])]
     assert not bad, f"training prompts {bad[:5]} overlap an evaluation workload"
     if len(records) < n_prompts:
@@ -671,11 +665,10 @@ def build_training_data(
             "prompt_index": torch.tensor(pindex, dtype=torch.int64),
         }
         path = out / _shard_name(k)
-        tmp = out / f".tmp-{path.name}-{os.getpid()}"
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
-                  metadata={"format": f"specbench-traindata-{FORMAT}", "build_key": build_key,
-                            "target_fingerprint": target.fingerprint})
-        os.replace(tmp, path)
+        with files.atomic_path(path) as tmp:
+            save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
+                      metadata={"format": f"specbench-traindata-{FORMAT}", "build_key": build_key,
+                                "target_fingerprint": target.fingerprint})
     bar.close()
 
     # 3. manifest (last: its presence marks the build complete)
@@ -714,7 +707,7 @@ def build_training_data(
         "build_s": round(time.time() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _atomic_write_text(manifest_file, json.dumps(manifest, indent=2))
+    files.write_text(manifest_file, json.dumps(manifest, indent=2))
     return out
 
 
