@@ -42,6 +42,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from specbench import files
+from specbench.costs.schema import check_profile, read_profile
 from specbench.errors import UserError
 from specbench.analysis.stats import BASELINE, CELL, DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, gmean_ci, load_results, \
     paired_log_ratios
@@ -99,29 +101,6 @@ def read_tolerance(baseline) -> tuple[float, str]:
 # Cost profile
 
 
-def _check_profile(data, source: str) -> dict:
-    entries = data.get("entries") if isinstance(data, dict) else None
-    ok = isinstance(entries, list) and entries and all(
-        isinstance(e, dict) and all(isinstance(e.get(k), (int, float)) for k in ("batch", "q", "median_ms")) for e in entries)
-    if not ok:
-        raise UserError(f"{source}: not a cost profile (needs \"entries\": [{{batch, q, median_ms}}, ...])")
-    if "draft" in data and not (isinstance(data["draft"], list) and all(
-            isinstance(e, dict) and isinstance(e.get("batch"), (int, float)) and isinstance(e.get("median_ms"), (int, float))
-            for e in data["draft"])):
-        raise UserError(f"{source}: the cost profile's \"draft\" must be a list of {{batch, median_ms}}")
-    return data
-
-
-def _read_profile(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"cannot read cost profile {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"cost profile {path}: invalid JSON ({e.msg})") from None
-    return _check_profile(data, str(path))
-
-
 def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | None, str]:
     """The cost profile both runs are priced with, and where it came from.
 
@@ -130,15 +109,15 @@ def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | No
     the baseline's target (one for the baseline's device preferred). None: the metric is skipped.
     """
     if isinstance(profile, dict):
-        return _check_profile(profile, "profile"), "given profile"
+        return check_profile(profile, "profile"), "given profile"
     if profile is not None:
         p = Path(profile)
         if not p.is_file():
             raise UserError(f"cost profile not found: {p}")
-        return _read_profile(p), str(p)
+        return read_profile(p), str(p)
     aa = _aa_path(baseline)
     if aa is not None and (aa.parent / PROFILE_FILE).is_file():
-        return _read_profile(aa.parent / PROFILE_FILE), str(aa.parent / PROFILE_FILE)
+        return read_profile(aa.parent / PROFILE_FILE), str(aa.parent / PROFILE_FILE)
     targets = set(base_df["target"].dropna().astype(str)) if "target" in base_df else set()
     if not targets:
         return None, "no cost profile (records name no target): speedup_cost skipped"
@@ -155,8 +134,8 @@ def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | No
     for folder in folders:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                data = _check_profile(json.loads(path.read_text()), str(path))
-            except (OSError, json.JSONDecodeError, UserError):
+                data = read_profile(path)
+            except UserError:
                 continue
             if str(data.get("target")) in targets:
                 name = str(data.get("device_name", ""))
@@ -523,10 +502,7 @@ def write_aa(path, pairs_of_runs: Sequence[Sequence], quantile: float = AA_QUANT
     path = Path(path)
     if path.is_dir():
         path = path / AA_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    files.write_json(path, data)
     return data
 
 

@@ -145,32 +145,25 @@ class Costs:
 def load_costs(profile_path: str | Path) -> Costs:
     from specbench.costs import profile as profiles
     from specbench.engine.loading import default_cache_dir
-    from specbench.analysis.regress import _read_profile  # the gate's reader: one-line errors on bad profiles
+    from specbench.costs.schema import DRAFTER_COSTS_FILE, parse_drafter_cost_key, read_profile
 
     path = Path(profile_path)
     if not path.is_file():
         raise UserError(f"cost profile not found: {path}")
-    data = _read_profile(path)
-    for section, fields in (("round", ("batch", "q", "median_ms")), ("prefill", ("batch", "tokens", "median_ms"))):
-        entries = data.get(section)
-        if entries is not None and not (isinstance(entries, list) and entries and all(
-                isinstance(e, dict) and all(isinstance(e.get(k), (int, float)) for k in fields) for e in entries)):
-            raise UserError(f"{path}: the cost profile's {section!r} must be a list of {{{', '.join(fields)}}}")
+    data = read_profile(path)
     step = profiles.step_time_model(data)
     device = str(data.get("device_name", ""))
     drafters = {}
     # drafter costs measured on this profile's device: committed, beside the profile, this machine's cache
-    for table in [*(folder / "drafters.json" for folder in profiles.committed_profiles()),
-                  path.parent / "drafters.json", default_cache_dir() / "profiles" / "drafters.json"]:
+    for table in [*(folder / DRAFTER_COSTS_FILE for folder in profiles.committed_profiles()),
+                  path.parent / DRAFTER_COSTS_FILE, default_cache_dir() / "profiles" / DRAFTER_COSTS_FILE]:
         try:
             known = json.loads(table.read_text())
         except (OSError, json.JSONDecodeError):
             continue
         for key, entries in known.items() if isinstance(known, dict) else ():
-            name, _, dev = key.rpartition("|")
-            # keys are "path@digest|device" (profile.drafter_digest); skip costs of an older
-            # checkpoint at the same path when the current one is here to compare with
-            name, _, digest = name.partition("@")
+            # skip costs of an older checkpoint at the same path when the current one is here to compare with
+            name, digest, dev = parse_drafter_cost_key(key)
             current = profiles.drafter_digest(name) if digest else "-"
             if digest and current != "-" and digest != current:
                 continue

@@ -24,6 +24,7 @@ import torch
 
 from specbench import files
 from specbench import resources
+from specbench.costs.schema import DRAFTER_COSTS_FILE, drafter_cost_key
 from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
 from specbench.engine.model import Transformer
 from specbench.engine.policy import BatchState, Draft, Policy
@@ -290,10 +291,10 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
         return data
     from specbench.engine.loading import default_cache_dir
 
-    key = f"{drafter_name}@{drafter_digest(drafter_name)}|{device_name(target.model.device)}"
-    cache = (cache_dir or default_cache_dir()) / "profiles" / "drafters.json"
+    key = drafter_cost_key(drafter_name, drafter_digest(drafter_name), device_name(target.model.device))
+    cache = (cache_dir or default_cache_dir()) / "profiles" / DRAFTER_COSTS_FILE
     known = {}
-    for path in [*(folder / "drafters.json" for folder in committed_profiles()), cache]:
+    for path in [*(folder / DRAFTER_COSTS_FILE for folder in committed_profiles()), cache]:
         try:
             known = {**json.loads(path.read_text()), **known}
         except (OSError, json.JSONDecodeError):
