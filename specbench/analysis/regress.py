@@ -42,7 +42,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from specbench import files
+from specbench import atomic
 from specbench.costs.schema import check_profile, read_profile
 from specbench.errors import UserError
 from specbench.analysis.stats import BASELINE, CELL, DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, gmean_ci, load_results, \
@@ -502,7 +502,7 @@ def write_aa(path, pairs_of_runs: Sequence[Sequence], quantile: float = AA_QUANT
     path = Path(path)
     if path.is_dir():
         path = path / AA_FILE
-    files.write_json(path, data)
+    atomic.write_json(path, data)
     return data
 
 

@@ -37,7 +37,7 @@ from matplotlib.backends.backend_pdf import PdfPages
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from specbench import files
+from specbench import atomic
 from specbench.analysis import stats
 from specbench.errors import UserError
 
@@ -619,7 +619,7 @@ def write_report(
                     parts += [f"<h3>{html.escape(name)}</h3>", _html_table(t)]
             parts += ["<h2>Run environment</h2>", _html_table(env.rename(columns={"field": "Field", "value": "Value"}), "env"),
                       "<p class='muted'>specbench — paired per-prompt statistics; see docs for definitions.</p></body></html>"]
-            files.write_text(Path(html_path), "".join(parts))
+            atomic.write_text(Path(html_path), "".join(parts))
 
         if pdf_path is not None:
             buf = io.BytesIO()
@@ -636,7 +636,7 @@ def write_report(
             with PdfPages(buf, metadata={"Title": title, "Creator": "specbench"}) as pdf:
                 for f in pages:
                     pdf.savefig(f, facecolor="white")
-            files.write_bytes(Path(pdf_path), buf.getvalue())
+            atomic.write_bytes(Path(pdf_path), buf.getvalue())
     finally:
         for _, _, f in figs:
             f.clear()

@@ -79,7 +79,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
-from specbench import files
+from specbench import atomic
 from specbench.errors import UserError
 
 # torch and the policy code are imported where used: the CLI builds this parser for every command.
@@ -490,12 +490,12 @@ def simulate_records(recs: list[dict], costs: Costs, concurrencies, modes=("cont
 def write_outputs(rows: list[dict], out_dir: Path, settings: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / OUT_FILE
-    with files.atomic_path(csv_path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+    with atomic.replacing(csv_path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(COLUMNS))
         w.writeheader()
         for row in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items() if k in COLUMNS})
-    files.write_json(out_dir / SETTINGS_FILE, settings, indent=2)
+    atomic.write_json(out_dir / SETTINGS_FILE, settings, indent=2)
     return csv_path
 
 

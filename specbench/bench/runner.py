@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from specbench import files
+from specbench import atomic
 from specbench.engine.core import BatchResult, SamplingConfig, generate
 from specbench.errors import UserError
 from specbench.bench.workloads import Workload, render_prompt
@@ -232,7 +232,7 @@ def read_records(path: str | Path, repair: bool = True) -> list[dict]:
             pass  # truncated by a kill: drop it
         dirty = True
     if dirty and repair:
-        files.write_text(path, "".join(json.dumps(rec) + "\n" for rec in records))
+        atomic.write_text(path, "".join(json.dumps(rec) + "\n" for rec in records))
     return records
 
 

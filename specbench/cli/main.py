@@ -18,7 +18,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from specbench import files
+from specbench import atomic
 from specbench.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -442,7 +442,7 @@ def cmd_sweep(args) -> int:
     if args.executor == "local":
         target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
     if not settings_file.exists():
-        files.write_json(settings_file, settings, indent=2)
+        atomic.write_json(settings_file, settings, indent=2)
     if args.executor == "ray":
         from functools import partial
 
@@ -574,7 +574,7 @@ def cmd_compare(args) -> int:
         print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
               f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
     if args.csv:
-        files.write_text(Path(args.csv), table.to_csv(index=False))
+        atomic.write_text(Path(args.csv), table.to_csv(index=False))
         print(f"wrote {args.csv}")
     return 0
 

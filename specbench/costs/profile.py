@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specbench import files
+from specbench import atomic
 from specbench import resources
 from specbench.costs.schema import DRAFTER_COSTS_FILE, drafter_cost_key
 from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
@@ -186,7 +186,7 @@ def measure_rounds(model: Transformer, batches, qs, context: int, iters: int = 6
 
 
 def save(profile_data: dict, path: str | Path) -> None:
-    files.write_json(path, profile_data)
+    atomic.write_json(path, profile_data)
 
 
 PROFILE_BATCHES = (1, 2, 4, 8, 16)

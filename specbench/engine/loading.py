@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from safetensors.torch import load_file, save_file
 
-from specbench import files
+from specbench import atomic
 from specbench.errors import UserError
 from specbench.engine.model import ModelArgs, Transformer
 
@@ -301,7 +301,7 @@ def _convert_gguf(gguf: Path, dest: Path, extra_eos: list[str]) -> None:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "conversion_s": round(time.time() - t0, 1),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))  # written last
-        files.fsync_contents(tmp)  # the rename is atomic; its files must be on disk first
+        atomic.fsync_contents(tmp)  # the rename is atomic; its files must be on disk first
         if dest.exists():  # an outdated cache (CACHE_FORMAT) or a concurrent conversion that won
             if _is_complete(dest):
                 shutil.rmtree(tmp)

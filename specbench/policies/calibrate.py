@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specbench import files
+from specbench import atomic
 from specbench.policies.calibration import calibration_table, fit_sts
 from specbench.engine.core import SamplingConfig, generate
 
@@ -77,6 +77,6 @@ def calibrate(target, drafter: str, data, n_prompts: int = 64, temperatures: tup
         from specbench.drafters.checkpoints import resolve_checkpoint
 
         path = resolve_checkpoint(drafter) / "calibration.json"
-        files.write_json(path, result)
+        atomic.write_json(path, result)
         result["path"] = str(path)
     return result

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from specbench import files
+from specbench import atomic
 from specbench.errors import UserError
 
 MAX_SHARD_BYTES = 16 * 2**20
@@ -220,11 +220,11 @@ def run_training(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         rng = {"torch": torch.get_rng_state(), "loop": gen.get_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        with files.atomic_path(ckpt_file) as tmp:
+        with atomic.replacing(ckpt_file) as tmp:
             torch.save({"model": {k: v.clone() for k, v in trainable_state(model).items()},
                         "optimizer": opt.state_dict(), "step": step, "history": history, "rng": rng,
                         "config": cfg.key()}, tmp)
-        files.write_json(out_dir / HISTORY_FILE, history)
+        atomic.write_json(out_dir / HISTORY_FILE, history)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model.train()
@@ -305,7 +305,7 @@ def save_drafter(out_dir, kind: str, model_args: dict, state_dict: dict[str, tor
     files = []
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        with files.atomic_path(out / fname) as tmp:
+        with atomic.replacing(out / fname) as tmp:
             save_file(shard, str(tmp), metadata={"format": "pt", "kind": kind})
         files.append(fname)
     for stale in out.glob("*.safetensors"):
@@ -323,7 +323,7 @@ def save_drafter(out_dir, kind: str, model_args: dict, state_dict: dict[str, tor
         "dtype": "bfloat16",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    files.write_json(out / "drafter.json", config)
+    atomic.write_json(out / "drafter.json", config)
     return out
 
 
@@ -352,7 +352,7 @@ def plot_loss_curve(history: list[dict], path, title: str = "training loss") -> 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    with files.atomic_path(path) as tmp:
+    with atomic.replacing(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
     return path
@@ -391,7 +391,7 @@ def write_training_card(out_dir, *, policy: str, result: TrainResult, target, da
         lines += ["Held-out acceptance (τ) is not measured by training; run the suite on the `code` / `chat`",
                   "workloads with this drafter and add it here.", ""]
     path = out / CARD_FILE
-    files.write_text(path, "\n".join(lines))
+    atomic.write_text(path, "\n".join(lines))
     return path
 
 

@@ -77,7 +77,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from specbench import files
+from specbench import atomic
 from specbench.engine.core import KV_BUCKET, SamplingConfig, chain_mask, generate, round_up
 from specbench.errors import UserError
 from specbench.engine.policy import Policy
@@ -588,7 +588,7 @@ def build_training_data(
     manifest_file = out / "manifest.json"
     if manifest_file.is_file() and build_file.is_file():
         return out  # complete and matching
-    files.write_text(build_file, json.dumps({"build_key": build_key, "settings": settings}, indent=2))
+    atomic.write_text(build_file, json.dumps({"build_key": build_key, "settings": settings}, indent=2))
 
     # 1. prompts
     prompts_file = out / "prompts.jsonl"
@@ -619,8 +619,8 @@ def build_training_data(
         random.Random(f"order:{seed}").shuffle(chosen)
         records = [{"index": i, "source": s, "text": t} for i, (s, t) in enumerate(chosen)]
         rejected = dict(pfilter.rejected)
-        files.write_text(out / "prompts.meta.json", json.dumps({"magpie": magpie_stats, "rejected": rejected}))
-        files.write_text(prompts_file, "".join(json.dumps(r) + "\n" for r in records))
+        atomic.write_text(out / "prompts.meta.json", json.dumps({"magpie": magpie_stats, "rejected": rejected}))
+        atomic.write_text(prompts_file, "".join(json.dumps(r) + "\n" for r in records))
     bad = [r["index"] for r in records if overlap.overlaps(r["text"])]
     assert not bad, f"training prompts {bad[:5]} overlap an evaluation workload"
     if len(records) < n_prompts:
@@ -665,7 +665,7 @@ def build_training_data(
             "prompt_index": torch.tensor(pindex, dtype=torch.int64),
         }
         path = out / _shard_name(k)
-        with files.atomic_path(path) as tmp:
+        with atomic.replacing(path) as tmp:
             save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
                       metadata={"format": f"specbench-traindata-{FORMAT}", "build_key": build_key,
                                 "target_fingerprint": target.fingerprint})
@@ -707,7 +707,7 @@ def build_training_data(
         "build_s": round(time.time() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    files.write_text(manifest_file, json.dumps(manifest, indent=2))
+    atomic.write_text(manifest_file, json.dumps(manifest, indent=2))
     return out
 
 

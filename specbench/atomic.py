@@ -46,7 +46,7 @@ def fsync_contents(folder: Path) -> None:
 
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def replacing(path: str | Path) -> Iterator[Path]:
     """A temporary path beside `path` for a writer that wants a file name (torch.save,
     safetensors, matplotlib); on a clean exit it replaces `path` durably, on an exception it is
     removed and `path` is untouched."""
@@ -68,12 +68,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
+    with replacing(path) as tmp:
         tmp.write_bytes(data)
 
 
 def write_text(path: str | Path, text: str) -> None:
-    with atomic_path(path) as tmp:
+    with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 
