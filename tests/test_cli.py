@@ -12,7 +12,9 @@ from unittest import mock
 import pytest
 
 from specbench.cli import main as cli
-from specbench.cli.main import main, parse_scalar
+from specbench.cli import args as cli_args
+from specbench.cli.args import parse_scalar
+from specbench.cli.main import main
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -134,7 +136,7 @@ def test_output_dir_not_writable(tmp_path, capsys, jsonl):
 
 
 def test_output_dir_not_writable_simulated(tmp_path, capsys, jsonl, monkeypatch):
-    monkeypatch.setattr(cli.os, "access", lambda *a, **k: False)
+    monkeypatch.setattr(cli_args.os, "access", lambda *a, **k: False)
     rc = main(["run", "--policy", "ar", "--workload", str(jsonl), "--out", str(tmp_path / "new" / "r.jsonl")])
     _one_error_line(capsys, rc, "not writable")
     assert _files(tmp_path) == [jsonl]
@@ -236,7 +238,7 @@ def test_keyboard_interrupt_exit_130(tmp_path, capsys, jsonl, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(cli.COMMANDS, "run", interrupted)
+    monkeypatch.setattr(cli, "cmd_run", interrupted)  # the parser names it when main() builds it
     rc = main(["run", "--policy", "ar", "--workload", str(jsonl)])
     assert rc == 130
     err = capsys.readouterr().err.strip().splitlines()

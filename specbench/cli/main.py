@@ -1,4 +1,7 @@
-"""Command line: `python -m specbench {run,sweep,list,report} ...`.
+"""Command line: `python -m specbench <command> ...`. Every command's parser names the function
+that runs it (`set_defaults(func=...)`): run, sweep, list, report, compare, calibrate and profile
+here; train, regress and simulate in their own modules of this package. Argument types and
+output checks are in specbench/cli/args.py.
 
 Every input problem is reported as ONE line, `specbench: error: <message>`, on stderr with exit
 status 2, before any output file is created or any model is loaded. Ctrl-C exits with 130; the
@@ -11,7 +14,6 @@ import datetime as _dt
 import inspect
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -19,6 +21,7 @@ import tomllib
 from pathlib import Path
 
 from specbench import atomic
+from specbench.cli import args as arg
 from specbench.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -27,80 +30,16 @@ SWEEP_RECORDS = "records.jsonl"
 SWEEP_SETTINGS = "sweep.json"
 
 
-# ---------------------------------------------------------------------------------------------
-# argparse plumbing: errors become UserError (one line), values are validated by their types
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # default: usage + message, exit 2 → we want one line
-        raise UserError(message)
-
-
-def checked_type(convert, valid, expected: str, must: str):
-    """An argparse `type`: convert (ValueError → "expected …"), then check (False → "must …");
-    both become argparse's one-line usage error. Shared by every command's numeric options."""
-
-    def parse(s: str):
-        try:
-            v = convert(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
-        if not valid(v):
-            raise argparse.ArgumentTypeError(f"{must}, got {s!r}")
-        return v
-
-    return parse
-
-
-_positive_int = checked_type(int, lambda v: v > 0, "a positive integer", "must be a positive integer")
-_nonneg_int = checked_type(int, lambda v: v >= 0, "an integer ≥ 0", "must be ≥ 0")
-_temperature = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0",
-                            "temperature must be a finite number ≥ 0")
-_top_p = checked_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]", "top-p must be in (0, 1]")
-
-
-def _list_of(item_type, what: str):
-    def parse(s: str):
-        parts = [p.strip() for p in s.split(",")]
-        if not s.strip() or any(not p for p in parts):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {s!r}")
-        out = [item_type(p) for p in parts]
-        if len(set(map(str, out))) != len(out):
-            raise argparse.ArgumentTypeError(f"duplicate entries in {s!r}")
-        return out
-
-    return parse
-
-
-def _param(s: str) -> tuple[str, object]:
-    key, sep, raw = s.partition("=")
-    key = key.strip()
-    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {s!r}")
-    return key, parse_scalar(raw.strip())
-
-
-def parse_scalar(raw: str):
-    """A TOML scalar (`4`, `0.5`, `true`, `"x"`); anything else is taken as a bare string."""
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-    if isinstance(value, (dict, list)) or hasattr(value, "isoformat"):
-        return raw
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
-    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress}", parser_class=_Parser)
+    p = arg.Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
+    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress}", parser_class=arg.Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
-        sp.add_argument("--limit", type=_positive_int, help="use the first N requests of each workload")
-        sp.add_argument("--max-new-tokens", type=_positive_int, help="generation limit (default: the workload's)")
-        sp.add_argument("--top-p", type=_top_p, default=1.0)
-        sp.add_argument("--seed", type=_nonneg_int, default=0)
+        sp.add_argument("--limit", type=arg.positive_int, help="use the first N requests of each workload")
+        sp.add_argument("--max-new-tokens", type=arg.positive_int, help="generation limit (default: the workload's)")
+        sp.add_argument("--top-p", type=arg.top_p, default=1.0)
+        sp.add_argument("--seed", type=arg.nonneg_int, default=0)
         sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
         sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
@@ -108,34 +47,38 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", required=True, help="policy name, baseline (hf, hf-assisted, hf-pld) or spec .toml")
     r.add_argument("--workload", required=True, help="workload name, spec .toml or .jsonl file")
     common(r, True)
-    r.add_argument("--batch-size", type=_positive_int, default=1)
+    r.set_defaults(func=cmd_run)
+    r.add_argument("--batch-size", type=arg.positive_int, default=1)
     r.add_argument("--all", action="store_true",
                    help=f"every request of the workload (default without --limit: the first {RUN_DEFAULT_LIMIT})")
-    r.add_argument("--temperature", type=_temperature, default=0.0)
+    r.add_argument("--temperature", type=arg.temperature, default=0.0)
     r.add_argument("--out", help="results .jsonl (default results/run-<policy>-<workload>-<UTC time>.jsonl); "
                                  "an existing file is resumed")
-    r.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
+    r.add_argument("--param", type=arg.param, action="append", default=[], metavar="NAME=VALUE",
                    help="policy parameter override, value parsed as a TOML scalar (repeatable)")
 
     s = sub.add_parser("sweep", help="policies × workloads × batch sizes × repeats, interleaved",
                        description="Sweep policies × workloads × batch sizes × temperatures × repeats.")
-    s.add_argument("--policies", type=_list_of(str, "policy names"), required=True)
-    s.add_argument("--workloads", type=_list_of(str, "workload names"), required=True)
-    s.add_argument("--batch-sizes", type=_list_of(_positive_int, "positive integers"), default=[1])
-    s.add_argument("--repeats", type=_positive_int, default=1)
-    s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0])
+    s.add_argument("--policies", type=arg.list_of(str, "policy names"), required=True)
+    s.add_argument("--workloads", type=arg.list_of(str, "workload names"), required=True)
+    s.add_argument("--batch-sizes", type=arg.list_of(arg.positive_int, "positive integers"), default=[1])
+    s.add_argument("--repeats", type=arg.positive_int, default=1)
+    s.add_argument("--temperatures", type=arg.list_of(arg.temperature, "temperatures ≥ 0"), default=[0.0])
     s.add_argument("--out", required=True, help="results directory (records.jsonl + sweep.json); resumed if it exists")
     s.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this process (default); ray: each cell a Ray task (pip install -e \".[ray]\")")
     s.add_argument("--ray-address", help="Ray cluster to attach to (default: RAY_ADDRESS, else start a local one; 'auto': a running local one)")
     common(s, False)
+    s.set_defaults(func=cmd_sweep)
 
-    sub.add_parser("list", help="policies, baselines, workloads and models", description="List what can be run.")
+    sub.add_parser("list", help="policies, baselines, workloads and models",
+                   description="List what can be run.").set_defaults(func=cmd_list)
 
     rep = sub.add_parser("report", help="HTML + PDF report from results", description="Write the HTML and PDF report.")
     rep.add_argument("results", help="a results .jsonl file or a directory of them")
     rep.add_argument("--html", help="HTML output (default: report.html beside the results)")
     rep.add_argument("--pdf", help="PDF output (default: report.pdf beside the results)")
+    rep.set_defaults(func=cmd_report)
 
     cmp = sub.add_parser("compare", help="paired test of one policy against another (tokens/s or τ)",
                          description="Pair two policies' requests on the same prompts in every cell of the results "
@@ -148,24 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens_per_s (speed) or tau (tokens per verify round: drafter quality, no timing noise)")
     cmp.add_argument("--by-category", action="store_true", help="one cell per workload category too")
     cmp.add_argument("--csv", help="also write the table as csv")
+    cmp.set_defaults(func=cmd_compare)
 
-    from specbench.analysis import regress, simulate
+    from specbench.cli import regress as regress_cli
+    from specbench.cli import simulate as simulate_cli
     from specbench.cli import train as train_cli
 
     train_cli.add_parser(sub)
-    regress.add_parser(sub)
-    simulate.add_parser(sub)
+    regress_cli.add_parser(sub)
+    simulate_cli.add_parser(sub)
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")
     cal.add_argument("--drafter", default="drafters/smollm2-135m/dspark")
     cal.add_argument("--data", required=True, help="the drafter's training data directory (its validation split is used)")
     cal.add_argument("--target", default=DEFAULT_TARGET)
-    cal.add_argument("--prompts", type=_positive_int, default=24)
-    cal.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0, 1.0],
+    cal.add_argument("--prompts", type=arg.positive_int, default=24)
+    cal.add_argument("--temperatures", type=arg.list_of(arg.temperature, "temperatures ≥ 0"), default=[0.0, 1.0],
                      help="sampling temperatures to fit at, one STS fit each (default 0,1)")
-    cal.add_argument("--max-new-tokens", type=_positive_int, default=384)
-    cal.add_argument("--batch-size", type=_positive_int, default=8)
+    cal.add_argument("--max-new-tokens", type=arg.positive_int, default=384)
+    cal.add_argument("--batch-size", type=arg.positive_int, default=8)
     cal.add_argument("--device", default="cpu")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -173,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Measure target forward time vs batch size and verify length; store the cost profile.")
     prof.add_argument("--target", default=DEFAULT_TARGET)
     prof.add_argument("--device", default="cpu")
-    prof.add_argument("--context", type=_positive_int, default=256)
-    prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16])
-    prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8])
+    prof.add_argument("--context", type=arg.positive_int, default=256)
+    prof.add_argument("--batches", type=arg.list_of(arg.positive_int, "positive integers"), default=[1, 2, 4, 8, 16])
+    prof.add_argument("--qs", type=arg.list_of(arg.positive_int, "positive integers"), default=[1, 2, 4, 8])
     prof.add_argument("--out", required=True, help="profile .json to write")
     prof.set_defaults(func=cmd_profile)
     return p
@@ -192,7 +137,7 @@ def cmd_calibrate(args) -> int:
     result = calibrate(target, args.drafter, data, n_prompts=args.prompts, temperatures=tuple(args.temperatures),
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     for fit in result["fits"]:
-        print(f"T = {fit['sampling_temperature']:g}: STS temperatures {[round(t, 2) for t in fit['temperatures']]}  "
+        print(f"T = {fit['samplingtemperature']:g}: STS temperatures {[round(t, 2) for t in fit['temperatures']]}  "
               f"({fit['rollouts']} rounds from {result['prompts']} held-out prompts)")
         for row in fit["per_position"]:
             print(f"  position {row['position']}: n={row['n']}  ECE {row['ece_before']:.3f} -> {row['ece_after']:.3f}  AUC {row['auc']:.3f}")
@@ -205,7 +150,7 @@ def cmd_profile(args) -> int:
     from specbench.engine.loading import load_model
 
     device = check_device(args.device)
-    check_writable(Path(args.out), "file")
+    arg.check_writable(Path(args.out), "file")
     target = load_model(args.target, device=device)
     data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs, engine_costs=True)
     profile.save(data, args.out)
@@ -217,28 +162,6 @@ def cmd_profile(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Validation (before any output file exists or any model loads)
-
-
-def check_writable(path: Path, what: str) -> None:
-    """`path` can be created (or, if it exists, written) without touching anything now."""
-    if path.exists():
-        if what == "directory" and not path.is_dir():
-            raise UserError(f"output directory {path} exists and is not a directory")
-        if what == "file" and path.is_dir():
-            raise UserError(f"output file {path} is a directory")
-        target = path if path.is_dir() else path.parent
-        if not os.access(target, os.W_OK | os.X_OK) or (path.is_file() and not os.access(path, os.W_OK)):
-            raise UserError(f"output {what} {path} is not writable")
-        return
-    anc = path.parent
-    while not anc.exists():
-        if anc == anc.parent:
-            break
-        anc = anc.parent
-    if not anc.is_dir():
-        raise UserError(f"cannot create output {what} {path}: {anc} is not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise UserError(f"cannot create output {what} {path}: {anc} is not writable")
 
 
 def check_device(device: str) -> str:
@@ -345,7 +268,7 @@ def cmd_run(args) -> int:
     else:
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         out = Path("results") / f"run-{_slug(pname)}-{_slug(workload.name)}-{stamp}.jsonl"
-    check_writable(out, "file")
+    arg.check_writable(out, "file")
     if out.exists():
         read_records(out, repair=False)  # a malformed file fails now, not after the model loads
 
@@ -421,7 +344,7 @@ def cmd_sweep(args) -> int:
         raise UserError(f"policy names must be distinct, got {', '.join(names)}")
     workloads = load_workloads(args.workloads, args.limit)
     out = Path(args.out)
-    check_writable(out, "directory")
+    arg.check_writable(out, "directory")
     settings = sweep_settings(args, names, workloads, device)
     settings_file, records_file = out / SWEEP_SETTINGS, out / SWEEP_RECORDS
     if settings_file.exists():
@@ -545,7 +468,7 @@ def cmd_report(args) -> int:
         html, pdf = str(base / f"{stem}.html"), str(base / f"{stem}.pdf")
     for p in (html, pdf):
         if p is not None:
-            check_writable(Path(p), "file")
+            arg.check_writable(Path(p), "file")
     from specbench.analysis import report
     report.write_report(results, html_path=html, pdf_path=pdf)
     for p in (html, pdf):
@@ -560,7 +483,7 @@ def cmd_compare(args) -> int:
     if not results.exists():
         raise UserError(f"results path not found: {results}")
     if args.csv:
-        check_writable(Path(args.csv), "file")
+        arg.check_writable(Path(args.csv), "file")
     table = stats.compare_policies(stats.load_results(results), args.a, args.b, metric=args.metric,
                                    by_category=args.by_category)
     if table.empty:
@@ -579,17 +502,6 @@ def cmd_compare(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "list": cmd_list, "report": cmd_report, "compare": cmd_compare}
-
-
-def _regress_main(args) -> int:
-    from specbench.analysis import regress
-    return regress.main(args)
-
-
-COMMANDS["regress"] = _regress_main
-
-
 def main(argv=None) -> int:
     try:
         parser = build_parser()
@@ -599,8 +511,6 @@ def main(argv=None) -> int:
             return int(e.code or 0)
         if not args.command:
             raise UserError("choose a command: run, sweep, list, report, simulate, train, calibrate, profile, regress (see specbench --help)")
-        if args.command in COMMANDS:
-            return COMMANDS[args.command](args)
         return args.func(args)
     except UserError as e:
         msg = " ".join(str(e).split()) or type(e).__name__
