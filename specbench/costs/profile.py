@@ -25,8 +25,8 @@ import torch
 from specbench import atomic
 from specbench import resources
 from specbench.costs.schema import DRAFTER_COSTS_FILE, drafter_cost_key
-from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
-from specbench.engine.model import Transformer
+from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, synchronize
+from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 
 
@@ -34,7 +34,7 @@ from specbench.engine.policy import BatchState, Draft, Policy
 def time_forward(model: Transformer, batch: int, q: int, context: int, iters: int = 10, warmup: int = 2) -> list[float]:
     """Seconds per forward of q new tokens per row for `batch` rows that each hold `context` cached tokens."""
     device = model.device
-    model.setup_cache(batch, round_up(context + q + 1, KV_BUCKET))
+    model.setup_cache(batch, round_to_bucket(context + q + 1))
     tokens = torch.randint(0, model.args.vocab_size, (batch, q), device=device)
     cache_lengths = torch.full((batch,), context, dtype=torch.long, device=device)
     times = []
@@ -238,7 +238,7 @@ def measure_drafter(draft_model, taps_dim: int, batches, context: int = 256, ite
     device = draft_model.device
     out = []
     for b in batches:
-        draft_model.setup_cache(b, round_up(context + 64, KV_BUCKET))
+        draft_model.setup_cache(b, round_to_bucket(context + 64))
         features = torch.randn(b, context, taps_dim, device=device, dtype=draft_model.dtype)
         draft_model.append_context(features)
         anchors = torch.randint(0, draft_model.args.model_args.vocab_size, (b,), device=device)

@@ -48,11 +48,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.engine.model import (MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq,
+                                    round_to_bucket)
 from specbench.engine.sampling import probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
-KV_BUCKET = 64  # context attention reads the cache up to a multiple of this (shapes repeat across rounds)
 
 
 @dataclass
@@ -449,7 +449,7 @@ class DSparkDrafter(nn.Module):
         ctx_len = self.ctx_len[:b]
         if anchor_positions is None:
             anchor_positions = ctx_len
-        kv_len = min(-(-int(ctx_len.max()) // KV_BUCKET) * KV_BUCKET, self.max_ctx)
+        kv_len = round_to_bucket(int(ctx_len.max()), self.max_ctx)
         x = self.block_inputs(anchor_tokens)
         positions = anchor_positions[:, None] + torch.arange(g, device=device)[None]
         ctx_visible = torch.arange(kv_len, device=device)[None, :] < ctx_len[:, None]  # [b, kv_len]

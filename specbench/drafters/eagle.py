@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.engine.model import (MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq,
+                                    round_to_bucket)
 
 KIND = "eagle"
-KV_BUCKET = 64  # attention reads the cache up to a multiple of this (shapes repeat across rounds)
 
 
 @dataclass
@@ -284,7 +284,7 @@ class EagleHead(nn.Module):
         return self.max_seq - 1
 
     def kv_len(self, needed: int) -> int:
-        return min(-(-needed // KV_BUCKET) * KV_BUCKET, self.sink)
+        return round_to_bucket(needed, self.sink)
 
     def step(self, hidden: Tensor, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
         """One cached pass: hidden [b, q, d], tokens [b, q] (their embeddings are the 2nd input),

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from specbench.policies.calibration import nearest_fit
-from specbench.engine.core import KV_BUCKET, round_up
+from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.policies.scheduler import (algorithm1_lengths, best_capacity, capacity_lengths, fixed_lengths,
                                  threshold_lengths)
@@ -100,7 +100,7 @@ class DSpark(Policy):
 
     def begin(self, state: BatchState, prompt_features: Tensor | None) -> None:
         b, cap = state.tokens.shape
-        self.draft_model.setup_cache(b, round_up(cap + 1, KV_BUCKET))
+        self.draft_model.setup_cache(b, round_to_bucket(cap + 1))
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()

@@ -78,7 +78,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specbench import atomic
-from specbench.engine.core import KV_BUCKET, SamplingConfig, chain_mask, generate, round_up
+from specbench.engine.core import SamplingConfig, chain_mask, generate
+from specbench.engine.model import round_to_bucket
 from specbench.errors import UserError
 from specbench.engine.policy import Policy
 
@@ -505,7 +506,7 @@ def _feature_pass(model, seqs: list[list[int]], taps: tuple[int, ...]):
     """One prefill of the target over right-padded `seqs`: per sequence (taps, last_hidden) in bf16."""
     b, t = len(seqs), max(len(s) for s in seqs)
     device = model.device
-    kv_len = round_up(t, KV_BUCKET)
+    kv_len = round_to_bucket(t)
     model.setup_cache(b, kv_len)
     tokens = torch.zeros(b, t, dtype=torch.long, device=device)
     for r, s in enumerate(seqs):
