@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from specbench.errors import UserError
-from specbench.bench.runner import PolicyEngine, read_records, run_sweep
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import read_records, run_sweep
 
 ray = pytest.importorskip("ray")
 

@@ -40,7 +40,8 @@ from specbench.engine.core import SamplingConfig, generate
 from specbench.errors import UserError
 from specbench.analysis.regress import REGRESSED, calibrate_tolerance, compare, format_table, write_aa
 from specbench.policies.registry import build_policy
-from specbench.bench.runner import PolicyEngine, run_sweep
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import run_sweep
 from specbench.bench.workloads import Request, Workload, render_prompt
 from tiny import random_prompts, tiny_model
 

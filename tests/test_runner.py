@@ -17,7 +17,8 @@ import pytest
 from specbench.errors import UserError
 from specbench.policies.pld import PromptLookup
 from specbench.engine.policy import Policy
-from specbench.bench.runner import (PolicyEngine, derive_seed, read_records, record_key, run_cell, run_sweep)
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import (derive_seed, read_records, record_key, run_cell, run_sweep)
 from specbench.bench.workloads import Request, Workload
 from tiny import tiny_model
 

@@ -16,7 +16,8 @@ import pytest
 
 from specbench.analysis import simulate
 from specbench.cli.main import main
-from specbench.bench.runner import PolicyEngine, read_records, run_sweep
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import read_records, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES, QS = (1, 2, 4, 8, 16), (1, 2, 4, 8)
