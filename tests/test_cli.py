@@ -219,7 +219,7 @@ def test_report_wiring(tmp_path, capsys):
 def test_compare_command(tmp_path, capsys):
     """`compare RESULTS A B --metric tau`: one line per cell with the ratio, CI and verdict; the csv
     is written whole; unknown policies or paths are one-line errors."""
-    from test_stats import rec
+    from fakerecords import rec
 
     res = tmp_path / "records.jsonl"
     rows = []

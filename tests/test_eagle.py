@@ -21,9 +21,7 @@ from specbench.policies.registry import build_policy, read_spec
 from specbench.train.common import get_budget
 from specbench.train.data import TrainingData, build_training_data
 from specbench.train.eagle import evaluate, options, train
-from test_lossless import N_TOKENS, SMALL_VOCAB, chi_square, exact_joint, sampled_counts
-from test_train_data import VOCAB, tiny_target
-from test_tree import broken_verify_tree
+from helpers import N_TOKENS, SMALL_VOCAB, VOCAB, broken_verify_tree, chi_square, exact_joint, sampled_counts, tiny_target
 from tiny import random_prompts, tiny_model
 
 TAPS = [0, 1, 2]

@@ -168,3 +168,16 @@ def _read_with(path: Path, source: str):
         return source if self == path else original(self, *a, **k)
 
     return read_text
+
+
+def test_test_modules_do_not_import_each_other():
+    """Shared test code lives in helper modules (tests/helpers.py, tiny.py, ...), not in test_*.py."""
+    tests_dir = Path(__file__).resolve().parent
+    test_modules = {p.stem for p in tests_dir.glob("test_*.py")}
+    problems = []
+    for path in sorted(tests_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            problems += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in test_modules]
+    assert not problems, "\n".join(problems)

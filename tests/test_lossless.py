@@ -7,19 +7,16 @@ test rejects a verifier without residual resampling, so it has power.
 """
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import specbench.engine.core as core
 from specbench.engine.core import SamplingConfig, generate
 from specbench.policies.fixed_k import FixedK
 from specbench.policies.pld import PromptLookup
 from specbench.engine.policy import Policy
-from specbench.engine.sampling import probs_from_logits, sample
+from specbench.engine.sampling import sample
+from helpers import N_TOKENS, SMALL_VOCAB, chi_square, exact_joint, sampled_counts
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64
@@ -82,50 +79,6 @@ def test_greedy_eos_and_budget(target, prompts):
 
 
 # ---------- sampled losslessness ----------
-
-SMALL_VOCAB, N_TOKENS, N_SAMPLES = 5, 4, 30000
-
-
-def exact_joint(model, prompt, n_tokens, temperature, top_p):
-    """P(x_1..x_n | prompt) for every sequence, by enumeration with the model's own forward."""
-    probs = {}
-    for seq in itertools.product(range(SMALL_VOCAB), repeat=n_tokens - 1):
-        ids = torch.tensor([prompt + list(seq)])
-        q = ids.shape[1]
-        model.setup_cache(1, 64)
-        mask = torch.tril(torch.ones(q, q, dtype=torch.bool))[None]
-        pos = torch.arange(q)[None]
-        logits, _, _ = model(ids, pos, pos, mask)
-        step = probs_from_logits(logits[0, len(prompt) - 1 :], temperature, top_p).double()
-        p_prefix = 1.0
-        for i in range(n_tokens - 1):
-            p_prefix *= float(step[i, seq[i]])
-        for last in range(SMALL_VOCAB):
-            probs[seq + (last,)] = p_prefix * float(step[n_tokens - 1, last])
-    return probs
-
-
-def sampled_counts(target, policy, prompt, temperature, top_p, seed=1234):
-    config = SamplingConfig(max_new_tokens=N_TOKENS, temperature=temperature, top_p=top_p, seed=seed)
-    result = generate(target, policy, [prompt] * N_SAMPLES, config)
-    counts = {}
-    for r in result.requests:
-        key = tuple(r.output_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts, result
-
-
-def chi_square(exact, counts):
-    keys = sorted(exact, key=exact.get, reverse=True)
-    expected = np.array([exact[k] for k in keys])
-    expected = expected / expected.sum() * N_SAMPLES  # float rounding in the enumeration
-    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    assert observed.sum() == N_SAMPLES  # nothing outside the support
-    big = expected >= 5  # pool sparse cells so the χ² approximation holds
-    expected = np.append(expected[big], expected[~big].sum())
-    observed = np.append(observed[big], observed[~big].sum())
-    tv = 0.5 * np.abs(observed / N_SAMPLES - expected / N_SAMPLES).sum()
-    return stats.chisquare(observed, expected).pvalue, tv
 
 
 @pytest.fixture(scope="module")

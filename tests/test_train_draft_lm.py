@@ -17,7 +17,7 @@ from specbench.cli import train as cli
 from specbench.train import draft_lm
 from specbench.train.common import BUDGETS, LoopConfig, batch_indices, get_budget, lr_at, save_drafter
 from specbench.train.data import TrainingData, build_training_data
-from test_train_data import tiny_target
+from helpers import tiny_target
 
 TINY = get_budget("tiny")
 

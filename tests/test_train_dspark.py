@@ -15,7 +15,7 @@ from specbench.errors import UserError
 from specbench.train.common import get_budget
 from specbench.train.data import TrainingData, build_training_data
 from specbench.train.dspark import LOSS_WEIGHTS, _batch, block_loss, evaluate, make_blocks, sample_anchors, train
-from test_train_data import tiny_target
+from helpers import tiny_target
 
 TAPS = [0, 1, 2]
 
