@@ -138,7 +138,7 @@ def generate(
     logits, prompt_features, _ = forward_new_tokens(target, tokens[:, :p_max], zeros, policy.target_taps)
     last = logits[torch.arange(b, device=device), prompt_lengths - 1]
     first = sample(probs_from_logits(last, config.temperature, config.top_p), state.generator)
-    _commit(state, results, [[int(t)] for t in first.tolist()], eos, max_new)
+    commit_tokens(state, results, [[int(t)] for t in first.tolist()], eos, max_new)
     synchronize(device)
     t_first = time.perf_counter()
     for res in results:
@@ -177,7 +177,7 @@ def generate(
             _count_positions(res.accepted_per_position, len(paths[r]))
             res.trace_verify_len.append(nodes_list[r])
             res.trace_confidence.append([round(c, 4) for c in conf_list[r]] if conf_list else [])
-        emitted = _commit(state, results, new_tokens, eos, max_new)
+        emitted = commit_tokens(state, results, new_tokens, eos, max_new)
         # Rows that just finished observe nothing: their drafter state no longer matters.
         accepted = torch.tensor([len(p) for p in paths], device=device) * state.active
         for r in range(b):
@@ -295,7 +295,7 @@ def _count_positions(per_position: list[int], n: int) -> None:
         per_position[k] += 1
 
 
-def _commit(state: BatchState, results, new_tokens: list[list[int]], eos: set[int], max_new: int) -> list[int]:
+def commit_tokens(state: BatchState, results, new_tokens: list[list[int]], eos: set[int], max_new: int) -> list[int]:
     """Append each row's new tokens, cut at EOS (kept) and at the token budget; returns how many
     tokens each row emitted. A row that hits either stops (becomes inactive)."""
     emitted = []
