@@ -256,12 +256,14 @@ def test_calibrate_fits_each_sampling_temperature(target, data, trained, tmp_pat
     rollouts on the validation split; build_dspark then uses the fit for each batch's temperature."""
     import shutil
 
-    from specbench.policies.calibrate import calibrate, held_out_prompts
+    from specbench.policies.calibration import calibrate, held_out_prompts
     from specbench.policies.registry import build_dspark
 
     path = tmp_path / "drafter"
     shutil.copytree(trained["dspark"][0], path)
-    result = calibrate(target, str(path), data, n_prompts=8, temperatures=(0.0, 1.0), max_new_tokens=24, batch_size=4)
+    uncalibrated = build_dspark(target, drafter=str(path), scheduler="fixed", calibrated=False)
+    result = calibrate(target, uncalibrated, str(path), data, n_prompts=8, temperatures=(0.0, 1.0), max_new_tokens=24,
+                       batch_size=4)
     saved = json.loads((path / "calibration.json").read_text())
     assert [f["sampling_temperature"] for f in saved["fits"]] == [0.0, 1.0]
     assert saved["prompts"] == len(held_out_prompts(data, 8)) > 0

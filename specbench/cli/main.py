@@ -127,17 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args) -> int:
-    from specbench.policies.calibrate import calibrate
     from specbench.engine.loading import load_model
+    from specbench.policies.calibration import calibrate
+    from specbench.policies.registry import build_dspark
     from specbench.train.data import TrainingData
 
     device = check_device(args.device)
     target = load_model(args.target, device=device)
     data = TrainingData(args.data, target)
-    result = calibrate(target, args.drafter, data, n_prompts=args.prompts, temperatures=tuple(args.temperatures),
-                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    policy = build_dspark(target, drafter=args.drafter, scheduler="fixed", calibrated=False)
+    result = calibrate(target, policy, args.drafter, data, n_prompts=args.prompts,
+                       temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size)
     for fit in result["fits"]:
-        print(f"T = {fit['samplingtemperature']:g}: STS temperatures {[round(t, 2) for t in fit['temperatures']]}  "
+        print(f"T = {fit['sampling_temperature']:g}: STS temperatures {[round(t, 2) for t in fit['temperatures']]}  "
               f"({fit['rollouts']} rounds from {result['prompts']} held-out prompts)")
         for row in fit["per_position"]:
             print(f"  position {row['position']}: n={row['n']}  ECE {row['ece_before']:.3f} -> {row['ece_after']:.3f}  AUC {row['auc']:.3f}")
