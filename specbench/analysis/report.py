@@ -39,6 +39,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from specbench import atomic
 from specbench.analysis import stats
+from specbench.bench.envinfo import environment_table
 from specbench.errors import UserError
 
 _PALETTE = ["#4d4d4d", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
@@ -555,7 +556,7 @@ def write_report(
     cats = df.groupby("workload")["category"].nunique()
     summary_cat = stats.summarize(df, by_category=True, n_resamples=n_resamples, seed=seed) if (cats > 1).any() else None
     pos = stats.position_acceptance(df)
-    env = stats.environment(df)
+    env = environment_table(df)
     colors = _colors(df["policy"])
 
     figs: list[tuple[str, str, Figure]] = [

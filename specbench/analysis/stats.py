@@ -569,30 +569,7 @@ def position_acceptance(
     return pd.DataFrame(rows)
 
 
-def environment(df: pd.DataFrame) -> pd.DataFrame:
-    """The run environment: distinct values of ``env.*`` and run-level fields, one row each."""
-    fields = [c for c in df.columns if c.startswith("env.")] + [
-        c for c in ("target", "device", "max_new_tokens", "top_p") if c in df.columns
-    ]
-    rows = []
-    for c in fields:
-        vals = df[c].dropna().map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v))
-        uniq = list(dict.fromkeys(vals))
-        rows.append({"field": c.removeprefix("env."), "value": ", ".join(uniq[:6]) + (f" (+{len(uniq) - 6} more)" if len(uniq) > 6 else "")})
-    if "policy" in df.columns:
-        for pol, d in df.groupby("policy", sort=True):
-            desc = []
-            if "drafter" in d and d["drafter"].notna().any():
-                desc.append("drafter=" + ", ".join(dict.fromkeys(map(str, d["drafter"].dropna()))))
-            if "policy_params" in d:
-                pp = list(dict.fromkeys(json.dumps(v, sort_keys=True) for v in d["policy_params"] if isinstance(v, dict) and v))
-                if pp:
-                    desc.append("params=" + " | ".join(pp[:3]))
-            rows.append({"field": f"policy {pol}", "value": "; ".join(desc) or "-"})
-    return pd.DataFrame(rows, columns=["field", "value"])
-
-
 __all__ = [
     "load_results", "summarize", "compare_policies", "position_acceptance", "paired_log_ratios",
-    "holm", "rank_biserial", "wilcoxon_p", "bootstrap_ci", "gmean_ci", "environment",
+    "holm", "rank_biserial", "wilcoxon_p", "bootstrap_ci", "gmean_ci",
 ]
