@@ -263,8 +263,7 @@ def _dspark_decider(policy, gamma: int):
 
     def decide(rows: list[_Row], active: list[bool]):
         b = len(rows)
-        if policy.skip_rounds > 0:  # the draft gate: a plain decode step
-            policy.skip_rounds -= 1
+        if policy.gate is not None and policy.gate.skip():  # the draft gate: a plain decode step
             return [0] * b, [None] * b, False
         entries = [r.drafted[r.cursor % len(r.drafted)] if a and r.drafted else None for r, a in zip(rows, active)]
         conf = torch.zeros(b, gamma)
@@ -272,8 +271,8 @@ def _dspark_decider(policy, gamma: int):
             if e is not None:
                 conf[i, : min(len(e[0]), gamma)] = torch.tensor(e[0][:gamma], dtype=torch.float32)
         active_t = torch.tensor(active, dtype=torch.bool)
-        if policy.draft_gate:
-            policy._update_gate(conf, active_t)
+        if policy.gate is not None:
+            policy.gate.update(conf, active_t)
         draft = Draft(tokens=torch.zeros(b, gamma, dtype=torch.long), probs=None,
                       lengths=torch.full((b,), gamma, dtype=torch.long), confidence=conf)
         lengths = policy.schedule(draft, SimpleNamespace(active=active_t, batch_size=b)).clamp(max=gamma) * active_t
