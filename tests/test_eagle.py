@@ -232,6 +232,10 @@ def test_greedy_eos_and_ragged_budget(target, trained):
     for policy in (Eagle(head, "tree", depth=5, top_k=4, total_tokens=20), Eagle(head, "chain", depth=5)):
         got = generate(model, policy, prompts, config, eos_ids=[eos]).requests
         assert [r.output_ids for r in got] == reference
+        stopped = [r for r in got if r.finish_reason == "eos"]
+        assert stopped and all(r.output_ids[-1] == eos for r in stopped), "no row hit EOS: the test lost its point"
+        assert any(r.finish_reason != "eos" for r in got)  # and others ran on to the budget (ragged)
+        assert sum(r.accepted for r in got) > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +395,9 @@ def test_greedy_identity_default_model(default_model):
     model = default_model.model
     config = SamplingConfig(max_new_tokens=16)
     reference = [generate(model, Policy(), [p], config).requests[0].output_ids for p in prompts]
-    head = random_head(model, [1, 14, 27], std=0.02)
+    head = load_eagle_head("drafters/smollm2-135m/eagle", default_model)  # the shipped, trained head
     for policy in (Eagle(head, "tree", depth=3, top_k=4, total_tokens=10), Eagle(head, "chain", depth=3)):
         for batch_size in (1, 4):
-            assert [r.output_ids for r in _decode(model, policy, prompts, batch_size, config)] == reference
+            out = _decode(model, policy, prompts, batch_size, config)
+            assert [r.output_ids for r in out] == reference, (policy.mode, batch_size)
+            assert sum(r.drafted for r in out) > 0 and sum(r.accepted for r in out) > 0, (policy.mode, batch_size)
