@@ -508,7 +508,7 @@ def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDra
     another target, of another kind, or with corrupt files is refused with a UserError."""
     import json
 
-    from specbench.drafters.checkpoints import CONFIG_NAME, read_checkpoint, resolve_checkpoint
+    from specbench.drafters.checkpoints import CONFIG_NAME, load_drafter, resolve_checkpoint
 
     if kind is None:
         path = resolve_checkpoint(spec)
@@ -518,20 +518,4 @@ def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDra
             raise UserError(f"drafter {path}: corrupt {CONFIG_NAME}: {e}") from None
         if kind not in KINDS:
             raise UserError(f"drafter {path} is a {kind!r} drafter, not one of {KINDS}")
-    config, state = read_checkpoint(spec, target, kind=kind)
-    try:
-        args = DSparkArgs.from_dict(config["model_args"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"drafter {spec}: bad architecture in its config: {e}") from None
-    base = target.model
-    dtype = base.lm_head.weight.dtype
-    with torch.device("meta"):
-        drafter = DSparkDrafter(args, base.model.embed_tokens.weight, base.lm_head.weight)
-    try:
-        drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
-                                assign=True, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"drafter {spec}: weights do not match its config: {str(e).splitlines()[0]}") from None
-    drafter.inv_freq = rope_inv_freq(args.model_args).to(base.device)  # meta-initialised buffer
-    drafter = drafter.to(base.device)
-    return drafter.eval().requires_grad_(False)
+    return load_drafter(spec, target, kind, DSparkArgs.from_dict, DSparkDrafter)
