@@ -17,6 +17,7 @@ import zlib
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 import transformers
 from scipy import stats
@@ -27,6 +28,7 @@ from specbench.drafters.dspark import DSparkArgs, build_drafter
 from specbench.engine.core import SamplingConfig, generate
 from specbench.engine.loading import LoadedModel
 from specbench.engine.sampling import probs_from_logits, sample
+from specbench.train.data import TrainingData, build_training_data
 from tiny import tiny_model
 
 # ---------------------------------------------------------------------------------------------
@@ -95,6 +97,14 @@ def broken_verify_tree(target_probs, node_tokens, parents, node_probs, n_nodes, 
     return paths, sample(torch.stack(dists), generator)
 
 
+def decode_in_batches(target_model, policy, prompts, batch_size, config):
+    """Every prompt decoded through `policy`, `batch_size` rows per generate() call."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        out += generate(target_model, policy, prompts[i : i + batch_size], config).requests
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # A tiny chat target
 
@@ -127,6 +137,24 @@ def tiny_target(seed: int = 0, layers: int = 4, scale: float = 6.0, fingerprint:
     """A LoadedModel around a tiny random Transformer (sharp output layer: a learnable target)."""
     model = tiny_model(vocab=VOCAB, dim=32, layers=layers, seed=seed, scale=scale)
     return LoadedModel(model, tiny_tokenizer(), f"tiny-{seed}", "test", "", fingerprint or f"tiny-fp-{seed}", [IM_END])
+
+
+def tiny_training_data(target, folder, tap_layers) -> TrainingData:
+    """The drafter trainers' shared data set: 24 prompts, 32-token responses, features at `tap_layers`."""
+    torch.set_num_threads(1)
+    path = build_training_data(target, folder, n_prompts=24, max_new_tokens=32, seed=0, tap_layers=tap_layers,
+                               batch_size=8, shard_size=12, eval_texts=[], progress=False)
+    return TrainingData(path, target)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops on a busy 2-core machine run ~10x faster single-threaded (import it into a test
+    module to use it there)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 # ---------------------------------------------------------------------------------------------

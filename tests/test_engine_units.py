@@ -1,6 +1,5 @@
 """The engine's pieces on their own (the end-to-end lossless tests cover them together):
 verify_chain, top-p filtering, KV-bucket sizing, move_cache, and committing tokens to a row."""
-import pytest
 import torch
 
 from specbench.engine.core import RequestResult, commit_tokens

@@ -16,7 +16,7 @@ from specbench.policies.fixed_k import FixedK
 from specbench.policies.pld import PromptLookup
 from specbench.engine.policy import Policy
 from specbench.engine.sampling import sample
-from helpers import N_TOKENS, SMALL_VOCAB, chi_square, exact_joint, sampled_counts
+from helpers import N_TOKENS, SMALL_VOCAB, chi_square, decode_in_batches, exact_joint, sampled_counts
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64
@@ -42,19 +42,12 @@ def policies(target):
     }
 
 
-def decode_all(target, policy, prompts, batch_size, config):
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        out += generate(target, policy, prompts[i : i + batch_size], config).requests
-    return out
-
-
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 def test_greedy_identity_tiny(target, prompts, batch_size):
     config = SamplingConfig(max_new_tokens=40, temperature=0.0)
-    reference = [r.output_ids for r in decode_all(target, Policy(), prompts, 1, config)]
+    reference = [r.output_ids for r in decode_in_batches(target, Policy(), prompts, 1, config)]
     for name, policy in policies(target).items():
-        got = decode_all(target, policy, prompts, batch_size, config)
+        got = decode_in_batches(target, policy, prompts, batch_size, config)
         for i, (res, ref) in enumerate(zip(got, reference)):
             assert res.output_ids == ref, f"{name} b={batch_size} prompt {i} diverged from AR"
         if name == "fixed-k(self draft)":  # the target drafting for itself is always accepted
@@ -66,7 +59,7 @@ def test_greedy_identity_tiny(target, prompts, batch_size):
 def test_greedy_eos_and_budget(target, prompts):
     """EOS ends a row (kept as its last token) mid-round; rows stop independently; the budget holds."""
     config = SamplingConfig(max_new_tokens=30)
-    ar = decode_all(target, Policy(), prompts, 1, config)
+    ar = decode_in_batches(target, Policy(), prompts, 1, config)
     eos = ar[0].output_ids[7]  # a token AR emits: some rows will stop on it mid-draft
     reference = [r.output_ids for r in [generate(target, Policy(), [p], config, eos_ids=[eos]).requests[0] for p in prompts]]
     for policy in policies(target).values():

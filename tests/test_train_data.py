@@ -11,20 +11,11 @@ from specbench.engine.core import forward_new_tokens
 from specbench.errors import UserError
 from specbench.train.data import (ChatFormat, EvalOverlap, PromptFilter, TrainingData, build_training_data,
                                   default_tap_layers, eval_prompt_texts, seed_prompts)
-from helpers import IM_END, IM_START, tiny_target, tiny_tokenizer
+from helpers import IM_END, IM_START, one_thread, tiny_target, tiny_tokenizer  # noqa: F401 (one_thread: autouse fixture)
 
 
 BUILD = dict(n_prompts=12, max_new_tokens=20, seed=0, batch_size=4, shard_size=5, magpie_max_tokens=40,
              progress=False)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a busy 2-core machine run ~10x faster single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ from safetensors.torch import load_file
 from specbench.drafters.dspark import DSparkArgs, build_drafter, load_dspark_drafter
 from specbench.errors import UserError
 from specbench.train.common import get_budget
-from specbench.train.data import TrainingData, build_training_data
 from specbench.train.dspark import LOSS_WEIGHTS, _batch, block_loss, evaluate, make_blocks, sample_anchors, train
-from helpers import tiny_target
+from helpers import tiny_target, tiny_training_data
 
 TAPS = [0, 1, 2]
 
@@ -36,10 +35,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def data(target, tmp_path_factory):
-    torch.set_num_threads(1)
-    path = build_training_data(target, tmp_path_factory.mktemp("data") / "d", n_prompts=24, max_new_tokens=32,
-                               seed=0, tap_layers=TAPS, batch_size=8, shard_size=12, eval_texts=[], progress=False)
-    return TrainingData(path, target)
+    return tiny_training_data(target, tmp_path_factory.mktemp("data") / "d", TAPS)
 
 
 @pytest.fixture(scope="module")
