@@ -110,11 +110,12 @@ def default_model():
 @pytest.mark.model
 @pytest.mark.parametrize("batch", [1, 4])
 def test_default_model_verify_forward(benchmark, default_model, batch):
-    from specbench.engine.core import forward_new_tokens, round_up, KV_BUCKET
+    from specbench.engine.core import forward_new_tokens
+    from specbench.engine.model import round_to_bucket
 
     model = default_model.model
     context, q = 256, 9  # anchor + 8 drafts
-    model.setup_cache(batch, round_up(context + q + 1, KV_BUCKET))
+    model.setup_cache(batch, round_to_bucket(context + q + 1))
     tokens = torch.randint(0, model.args.vocab_size, (batch, q), generator=torch.Generator().manual_seed(8))
     cache_lengths = torch.full((batch,), context, dtype=torch.long)
 

@@ -163,3 +163,19 @@ def write_records(path: str | Path, records: Iterable[Mapping]) -> Path:
         for r in records:
             f.write(json.dumps(r) + "\n")
     return path
+
+
+def rec(policy, prompt_id, tps, *, workload="w", batch_size=1, temperature=0.0, turn=0, repeat=0, **kw):
+    """A minimal record with the fields the analysis reads."""
+    r = {
+        "key": f"{policy}|{workload}|{prompt_id}|{turn}|{batch_size}|{temperature}|0|{repeat}",
+        "policy": policy, "workload": workload, "prompt_id": prompt_id, "category": kw.pop("category", workload),
+        "turn": turn, "batch_size": batch_size, "temperature": temperature, "repeat": repeat,
+        "tokens_per_s": tps, "generated_tokens": 33, "decode_s": 32 / tps,
+        "batch_id": kw.pop("batch_id", f"{policy}-{workload}-{prompt_id}-{turn}-{repeat}-{batch_size}"),
+        "batch_wall_s": 32 / tps + 0.1, "batch_generated_tokens": 33,
+        "rounds": 32, "drafted": 0, "accepted": 0, "tau": 1.0,
+        "drafted_per_position": [], "accepted_per_position": [],
+    }
+    r.update(kw)
+    return r

@@ -24,7 +24,7 @@ from specbench.train.common import get_budget
 from specbench.train.corpus import build_corpus, features_from_corpus, read_corpus, shard_name
 from specbench.train.data import TrainingData
 from specbench.train.dspark import train
-from test_train_data import IM_END, tiny_target
+from helpers import IM_END, tiny_target
 
 TESTS = Path(__file__).resolve().parent
 BUILD = dict(shard_prompts=6, max_new_tokens=16, batch_size=4, magpie_fraction=0.5, magpie_max_tokens=24,
@@ -87,10 +87,10 @@ def test_grows_resumes_and_refuses_other_settings(target, corpus, tmp_path):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["shards"] = manifest["shards"][:2]
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    (copy / ".tmp-shard-00003.safetensors-1").write_bytes(b"half")  # a shard killed mid-write
+    (copy / ".shard-00003.safetensors.k1ll3d.tmp").write_bytes(b"half")  # a shard killed mid-write
     build_corpus(target, copy, 10**9, max_shards=1, **BUILD)
     assert (copy / shard_name(0)).stat().st_mtime_ns == kept
-    assert not list(copy.glob(".tmp-*"))
+    assert not list(copy.glob(".*.tmp"))
     grown, shards = read_corpus(copy)
     assert grown["totals"]["n_shards"] == 4
     assert [s["sha256"] for s in grown["shards"][:3]] == [s["sha256"] for s in read_corpus(corpus)[0]["shards"]]
@@ -106,7 +106,7 @@ KILLED_RUN = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     torch.set_num_threads(1)
     import specbench.train.corpus as corpus
-    from test_train_data import tiny_target
+    from helpers import tiny_target
     real_generate, calls = corpus.generate, [0]
     def announcing_generate(*a, **kw):
         calls[0] += 1

@@ -4,32 +4,17 @@ distribution-identical to the target at T = 1 for scheduling batches of 1 and 4 
 load-aware scheduler verifies less per request as the batch grows."""
 from __future__ import annotations
 
-import zlib
 
 import pytest
 import torch
 
 from specbench.engine.core import SamplingConfig, generate
-from specbench.drafters.dspark import DSparkArgs, build_drafter
 from specbench.policies.dspark import DSpark
 from specbench.engine.policy import Policy
-from test_lossless import N_SAMPLES, N_TOKENS, SMALL_VOCAB, chi_square, exact_joint
+from helpers import N_SAMPLES, N_TOKENS, SMALL_VOCAB, chi_square, exact_joint, make_drafter
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64
-TAPS = [0, 1]
-
-
-def make_drafter(target, seed=0, block_size=4, variant="dspark", std=0.2, draft_vocab=0):
-    args = DSparkArgs.for_target(target.args, tap_layers=TAPS, variant=variant, n_layers=1,
-                                 block_size=block_size, markov_rank=8, draft_vocab=draft_vocab)
-    drafter = build_drafter(args, target)
-    drafter.init_weights(torch.Generator().manual_seed(seed))
-    with torch.no_grad():  # livelier than the default 0.02 init: confidences spread over (0, 1)
-        for name, p in drafter.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, std, generator=torch.Generator().manual_seed(seed + zlib.crc32(name.encode()) % 1000))
-    return drafter.eval().requires_grad_(False)
 
 
 def linear_cost(rows: int, q: int) -> float:
@@ -71,8 +56,9 @@ def test_greedy_identity_self_consistent_drafter(target):
     prompts = [[5, 6, 7, 8] * 4, [9, 10] * 6]
     config = SamplingConfig(max_new_tokens=24)
     reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
-    out = generate(target, policy(make_drafter(target, seed=3), "fixed"), prompts, config).requests
+    out = generate(target, policy(make_drafter(target, seed=2), "fixed"), prompts, config).requests
     assert [r.output_ids for r in out] == reference
+    assert sum(r.accepted for r in out) > 0, "no draft was accepted: the accept-and-commit path did not run"
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,9 @@ from specbench.policies.eagle import Eagle
 from specbench.engine.policy import BatchState, Policy
 from specbench.policies.registry import build_policy, read_spec
 from specbench.train.common import get_budget
-from specbench.train.data import TrainingData, build_training_data
 from specbench.train.eagle import evaluate, options, train
-from test_lossless import N_TOKENS, SMALL_VOCAB, chi_square, exact_joint, sampled_counts
-from test_train_data import VOCAB, tiny_target
-from test_tree import broken_verify_tree
+from helpers import (N_TOKENS, SMALL_VOCAB, VOCAB, broken_verify_tree, chi_square, decode_in_batches, exact_joint,
+                     sampled_counts, tiny_target, tiny_training_data)
 from tiny import random_prompts, tiny_model
 
 TAPS = [0, 1, 2]
@@ -50,10 +48,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def data(target, tmp_path_factory):
-    torch.set_num_threads(1)
-    path = build_training_data(target, tmp_path_factory.mktemp("data") / "d", n_prompts=24, max_new_tokens=32,
-                               seed=0, tap_layers=TAPS, batch_size=8, shard_size=12, eval_texts=[], progress=False)
-    return TrainingData(path, target)
+    return tiny_training_data(target, tmp_path_factory.mktemp("data") / "d", TAPS)
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +195,6 @@ def test_dynamic_tree_is_the_eagle2_tree(depth, top_k, total, draft_vocab):
 # Greedy identity
 
 
-def _decode(target_model, policy, prompts, batch_size, config):
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        out += generate(target_model, policy, prompts[i:i + batch_size], config).requests
-    return out
-
-
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 def test_greedy_identity(target, trained, batch_size):
     model = target.model
@@ -217,7 +205,7 @@ def test_greedy_identity(target, trained, batch_size):
     for name, head in heads.items():
         for policy in (Eagle(head, "tree", depth=4, top_k=3, total_tokens=12), Eagle(head, "chain", depth=4),
                        Eagle(head, "tree", depth=3, top_k=2, total_tokens=6, draft_vocab=24)):
-            out = _decode(model, policy, prompts, batch_size, config)
+            out = decode_in_batches(model, policy, prompts, batch_size, config)
             assert [r.output_ids for r in out] == reference, (name, policy.params())
             if name == "trained":
                 assert sum(r.accepted for r in out) > 0
@@ -227,13 +215,17 @@ def test_greedy_eos_and_ragged_budget(target, trained):
     model = target.model
     prompts = random_prompts(12, VOCAB, seed=9)
     config = SamplingConfig(max_new_tokens=20)
-    ar = _decode(model, Policy(), prompts, 1, config)
+    ar = decode_in_batches(model, Policy(), prompts, 1, config)
     eos = ar[0].output_ids[5]
     reference = [generate(model, Policy(), [p], config, eos_ids=[eos]).requests[0].output_ids for p in prompts]
     head = load_eagle_head(str(trained[0]), target)
     for policy in (Eagle(head, "tree", depth=5, top_k=4, total_tokens=20), Eagle(head, "chain", depth=5)):
         got = generate(model, policy, prompts, config, eos_ids=[eos]).requests
         assert [r.output_ids for r in got] == reference
+        stopped = [r for r in got if r.finish_reason == "eos"]
+        assert stopped and all(r.output_ids[-1] == eos for r in stopped), "no row hit EOS: the test lost its point"
+        assert any(r.finish_reason != "eos" for r in got)  # and others ran on to the budget (ragged)
+        assert sum(r.accepted for r in got) > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +385,9 @@ def test_greedy_identity_default_model(default_model):
     model = default_model.model
     config = SamplingConfig(max_new_tokens=16)
     reference = [generate(model, Policy(), [p], config).requests[0].output_ids for p in prompts]
-    head = random_head(model, [1, 14, 27], std=0.02)
+    head = load_eagle_head("drafters/smollm2-135m/eagle", default_model)  # the shipped, trained head
     for policy in (Eagle(head, "tree", depth=3, top_k=4, total_tokens=10), Eagle(head, "chain", depth=3)):
         for batch_size in (1, 4):
-            assert [r.output_ids for r in _decode(model, policy, prompts, batch_size, config)] == reference
+            out = decode_in_batches(model, policy, prompts, batch_size, config)
+            assert [r.output_ids for r in out] == reference, (policy.mode, batch_size)
+            assert sum(r.drafted for r in out) > 0 and sum(r.accepted for r in out) > 0, (policy.mode, batch_size)

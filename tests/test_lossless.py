@@ -7,19 +7,16 @@ test rejects a verifier without residual resampling, so it has power.
 """
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import specbench.engine.core as core
 from specbench.engine.core import SamplingConfig, generate
 from specbench.policies.fixed_k import FixedK
 from specbench.policies.pld import PromptLookup
 from specbench.engine.policy import Policy
-from specbench.engine.sampling import probs_from_logits, sample
+from specbench.engine.sampling import sample
+from helpers import N_TOKENS, SMALL_VOCAB, chi_square, decode_in_batches, exact_joint, sampled_counts
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64
@@ -45,19 +42,12 @@ def policies(target):
     }
 
 
-def decode_all(target, policy, prompts, batch_size, config):
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        out += generate(target, policy, prompts[i : i + batch_size], config).requests
-    return out
-
-
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 def test_greedy_identity_tiny(target, prompts, batch_size):
     config = SamplingConfig(max_new_tokens=40, temperature=0.0)
-    reference = [r.output_ids for r in decode_all(target, Policy(), prompts, 1, config)]
+    reference = [r.output_ids for r in decode_in_batches(target, Policy(), prompts, 1, config)]
     for name, policy in policies(target).items():
-        got = decode_all(target, policy, prompts, batch_size, config)
+        got = decode_in_batches(target, policy, prompts, batch_size, config)
         for i, (res, ref) in enumerate(zip(got, reference)):
             assert res.output_ids == ref, f"{name} b={batch_size} prompt {i} diverged from AR"
         if name == "fixed-k(self draft)":  # the target drafting for itself is always accepted
@@ -69,7 +59,7 @@ def test_greedy_identity_tiny(target, prompts, batch_size):
 def test_greedy_eos_and_budget(target, prompts):
     """EOS ends a row (kept as its last token) mid-round; rows stop independently; the budget holds."""
     config = SamplingConfig(max_new_tokens=30)
-    ar = decode_all(target, Policy(), prompts, 1, config)
+    ar = decode_in_batches(target, Policy(), prompts, 1, config)
     eos = ar[0].output_ids[7]  # a token AR emits: some rows will stop on it mid-draft
     reference = [r.output_ids for r in [generate(target, Policy(), [p], config, eos_ids=[eos]).requests[0] for p in prompts]]
     for policy in policies(target).values():
@@ -82,50 +72,6 @@ def test_greedy_eos_and_budget(target, prompts):
 
 
 # ---------- sampled losslessness ----------
-
-SMALL_VOCAB, N_TOKENS, N_SAMPLES = 5, 4, 30000
-
-
-def exact_joint(model, prompt, n_tokens, temperature, top_p):
-    """P(x_1..x_n | prompt) for every sequence, by enumeration with the model's own forward."""
-    probs = {}
-    for seq in itertools.product(range(SMALL_VOCAB), repeat=n_tokens - 1):
-        ids = torch.tensor([prompt + list(seq)])
-        q = ids.shape[1]
-        model.setup_cache(1, 64)
-        mask = torch.tril(torch.ones(q, q, dtype=torch.bool))[None]
-        pos = torch.arange(q)[None]
-        logits, _, _ = model(ids, pos, pos, mask)
-        step = probs_from_logits(logits[0, len(prompt) - 1 :], temperature, top_p).double()
-        p_prefix = 1.0
-        for i in range(n_tokens - 1):
-            p_prefix *= float(step[i, seq[i]])
-        for last in range(SMALL_VOCAB):
-            probs[seq + (last,)] = p_prefix * float(step[n_tokens - 1, last])
-    return probs
-
-
-def sampled_counts(target, policy, prompt, temperature, top_p, seed=1234):
-    config = SamplingConfig(max_new_tokens=N_TOKENS, temperature=temperature, top_p=top_p, seed=seed)
-    result = generate(target, policy, [prompt] * N_SAMPLES, config)
-    counts = {}
-    for r in result.requests:
-        key = tuple(r.output_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts, result
-
-
-def chi_square(exact, counts):
-    keys = sorted(exact, key=exact.get, reverse=True)
-    expected = np.array([exact[k] for k in keys])
-    expected = expected / expected.sum() * N_SAMPLES  # float rounding in the enumeration
-    observed = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    assert observed.sum() == N_SAMPLES  # nothing outside the support
-    big = expected >= 5  # pool sparse cells so the χ² approximation holds
-    expected = np.append(expected[big], expected[~big].sum())
-    observed = np.append(observed[big], observed[~big].sum())
-    tv = 0.5 * np.abs(observed / N_SAMPLES - expected / N_SAMPLES).sum()
-    return stats.chisquare(observed, expected).pvalue, tv
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 from specbench.errors import UserError
-from specbench.bench.runner import PolicyEngine, read_records, run_sweep
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import read_records, run_sweep
 
 ray = pytest.importorskip("ray")
 
 from specbench.bench.ray_executor import import_ray, run_sweep_ray  # noqa: E402
-from test_runner import make_target, make_workload  # noqa: E402
+from helpers import make_target, make_workload
 
 POLICIES = [("ar", {}), ("pld", {"k": 3})]
 

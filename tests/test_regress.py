@@ -35,11 +35,13 @@ import torch
 import fakerecords
 from fakerecords import make_records, write_records
 from specbench.analysis import regress
+from specbench.cli import regress as regress_cli
 from specbench.engine.core import SamplingConfig, generate
 from specbench.errors import UserError
 from specbench.analysis.regress import REGRESSED, calibrate_tolerance, compare, format_table, write_aa
 from specbench.policies.registry import build_policy
-from specbench.bench.runner import PolicyEngine, run_sweep
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import run_sweep
 from specbench.bench.workloads import Request, Workload, render_prompt
 from tiny import random_prompts, tiny_model
 
@@ -340,9 +342,9 @@ def test_table_names_regressed_cells_and_exit_codes(tmp_path, capsys):
     base = _fake_run(tmp_path / "base")
     same = _fake_run(tmp_path / "same")
     worse = _slowed(base, tmp_path / "worse", tau_factor=0.8, tps_factor=0.7)
-    assert regress.main(_args(baseline=str(base), current=str(same))) == 0
+    assert regress_cli.main(_args(baseline=str(base), current=str(same))) == 0
     assert "no regression" in capsys.readouterr().out
-    assert regress.main(_args(baseline=str(base), current=str(worse))) == 1
+    assert regress_cli.main(_args(baseline=str(base), current=str(worse))) == 1
     out = capsys.readouterr().out
     assert "REGRESSION" in out
     regressed_part = out.split("REGRESSION", 1)[1]
@@ -359,16 +361,14 @@ def test_table_names_regressed_cells_and_exit_codes(tmp_path, capsys):
     table = format_table(rows, only_regressed=True)
     assert table.splitlines()[0].split()[:7] == ["cell", "metric", "old", "new", "ratio", "95%", "CI"]
     # exit 2 on bad input through the standalone entry point
-    assert regress.cli_main(["--baseline", str(tmp_path / "nope"), "--current", str(same)]) == 2
-    assert regress.cli_main(["--baseline", str(base), "--current", str(same), "--max-slowdown", "2"]) == 2
-    assert regress.cli_main(["--baseline", str(base), "--current", str(worse), "--resamples", "200"]) == 1
-    assert regress.cli_main(["--baseline", str(base), "--current", str(same), "--resamples", "200"]) == 0
+    assert regress_cli.cli_main(["--baseline", str(tmp_path / "nope"), "--current", str(same)]) == 2
+    assert regress_cli.cli_main(["--baseline", str(base), "--current", str(same), "--max-slowdown", "2"]) == 2
+    assert regress_cli.cli_main(["--baseline", str(base), "--current", str(worse), "--resamples", "200"]) == 1
+    assert regress_cli.cli_main(["--baseline", str(base), "--current", str(same), "--resamples", "200"]) == 0
 
 
-def test_through_specbench_cli_when_wired(tmp_path):
+def test_through_specbench_cli(tmp_path):
     from specbench.cli import main as cli
-    if "regress" not in getattr(cli, "COMMANDS", {}):
-        pytest.skip("regress is not wired into specbench.cli.main yet")
     base = _fake_run(tmp_path / "base")
     worse = _slowed(base, tmp_path / "worse", tau_factor=0.8)
     assert cli.main(["regress", "--baseline", str(base), "--current", str(base)]) == 0
@@ -407,9 +407,9 @@ def test_bad_input(tmp_path):
     with pytest.raises(UserError, match="A/A"):
         compare(base, base)
     with pytest.raises(UserError, match="even number"):
-        regress.main(_args(baseline=str(base), calibrate=[str(base)]))
+        regress_cli.main(_args(baseline=str(base), calibrate=[str(base)]))
     with pytest.raises(UserError, match="--current"):
-        regress.main(_args(baseline=str(base)))
+        regress_cli.main(_args(baseline=str(base)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,6 +515,6 @@ def test_calibrate_and_aa_json(tmp_path, capsys):
     (base / "aa.json").unlink()
     assert compare(base, cur)[1]
     # the CLI's --calibrate writes aa.json beside the baseline
-    assert regress.main(_args(baseline=str(base), calibrate=[str(runs[0]), str(runs[1])])) == 0
+    assert regress_cli.main(_args(baseline=str(base), calibrate=[str(runs[0]), str(runs[1])])) == 0
     assert "tolerance" in capsys.readouterr().out
     assert json.loads((base / "aa.json").read_text())["n_pairs"] == 1

@@ -191,7 +191,18 @@ def test_pareto_survives_an_interval_that_excludes_its_point():
          "tps_median": 10.3, "tps_ci_low": 9.0, "tps_ci_high": 10.1},
     ])
     fig = fig_pareto(summary, _colors(summary["policy"]))
-    assert fig.axes
+    (ax,) = fig.axes
+    bars = {c.get_label(): c for c in ax.containers}  # one errorbar per policy: (line, caps, bar segments)
+    assert set(bars) == {"ar", "dspark"}
+    expected = {  # (x, y) at (throughput, median); the bar keeps only the interval's side of the point
+        "ar": ((78.1, 11.1), [(78.1, 11.1), (78.1, 11.5)]),
+        "dspark": ((77.2, 10.3), [(77.2, 9.0), (77.2, 10.3)]),
+    }
+    for pol, (point, segment) in expected.items():
+        line, _, (segments,) = bars[pol].lines
+        np.testing.assert_allclose(np.column_stack(line.get_data()), [point])
+        np.testing.assert_allclose(segments.get_segments()[0], segment)
+    assert sorted(t.get_text() for t in ax.texts) == ["b=16", "b=16"]
 
 
 def test_calibration_tables_one_per_temperature_with_its_fit():

@@ -10,19 +10,16 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from specbench.errors import UserError
 from specbench.policies.pld import PromptLookup
 from specbench.engine.policy import Policy
-from specbench.bench.runner import (PolicyEngine, derive_seed, read_records, record_key, run_cell, run_sweep)
-from specbench.bench.workloads import Request, Workload
-from tiny import tiny_model
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import (derive_seed, read_records, record_key, run_cell, run_sweep)
+from helpers import make_target, make_workload
 
-VOCAB = 64
-EOS = 2
 REPO = Path(__file__).resolve().parent.parent
 RECORD_FIELDS = [  # docs/records.md
     "key", "policy", "policy_params", "workload", "prompt_id", "category", "turn", "batch_size", "batch_id", "repeat",
@@ -31,42 +28,6 @@ RECORD_FIELDS = [  # docs/records.md
     "accepted_per_position", "tau", "ttft_s", "decode_s", "tokens_per_s", "batch_wall_s", "batch_generated_tokens",
     "trace", "env",
 ]
-
-
-class FakeTokenizer:
-    """Character-level tokenizer over a 64-id vocabulary: 0 pad, 1 <|im_start|>, 2 <|im_end|> (EOS),
-    3 unused, 4.. printable characters (code points 32..91; others wrap around)."""
-
-    pad_token_id = 0
-    eos_token_id = EOS
-
-    def encode(self, text, add_special_tokens=False):
-        return [4 + (ord(c) - 32) % (VOCAB - 4) for c in text]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(32 + i - 4) if i >= 4 else ("" if skip_special_tokens else f"<{i}>") for i in ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        ids = []
-        for m in messages:
-            ids += [1] + self.encode(m["role"] + " " + m["content"]) + [EOS]
-        if add_generation_prompt:
-            ids += [1] + self.encode("assistant ")
-        return ids
-
-
-def make_target(seed: int = 0, dim: int = 32, layers: int = 2):
-    return SimpleNamespace(model=tiny_model(vocab=VOCAB, dim=dim, layers=layers, seed=seed, scale=4.0),
-                           tokenizer=FakeTokenizer(), name="tiny", eos_token_ids=[EOS], fingerprint="tiny")
-
-
-def make_workload(n: int = 7, turns: int = 1, name: str = "toy") -> Workload:
-    reqs = []
-    for i in range(n):
-        t = [f"QUESTION {i}: REPEAT ABC ABC ABC {i * 7}"] + [f"AND THEN {i}?"] * (turns - 1)
-        reqs.append(Request(prompt_id=f"q{i}", category="cat" if i % 2 else "dog", turns=t))
-    return Workload(name=name, requests=reqs, max_new_tokens=24, use_chat_template=True, system_prompt=None,
-                    synthetic=True, spec_path=None)
 
 
 def engines(target):

@@ -16,7 +16,9 @@ import pytest
 
 from specbench.analysis import simulate
 from specbench.cli.main import main
-from specbench.bench.runner import PolicyEngine, read_records, run_sweep
+from specbench.bench.engines import PolicyEngine
+from specbench.bench.runner import read_records, run_sweep
+from helpers import make_target, make_workload
 
 REPO = Path(__file__).resolve().parent.parent
 BATCHES, QS = (1, 2, 4, 8, 16), (1, 2, 4, 8)
@@ -166,8 +168,7 @@ def test_profile_times_whole_rounds_and_prefill():
 def test_dspark_replay_reproduces_the_run(tmp_path, scheduler, gate):
     from specbench.policies.dspark import DSpark
     from specbench.costs.profile import draft_time_model, step_time_model
-    from test_dspark_policy import make_drafter
-    from test_runner import make_target, make_workload
+    from helpers import make_drafter
 
     # Cheap verification, a drafter costing ~half a step: Algorithm 1 picks varied lengths and the
     # draft gate skips rounds. The drafter's cost reaches the simulator through drafters.json.

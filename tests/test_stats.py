@@ -13,23 +13,7 @@ from scipy import stats as st
 from specbench.analysis import stats
 from specbench.errors import UserError
 
-from fakerecords import make_records, write_records
-
-
-def rec(policy, prompt_id, tps, *, workload="w", batch_size=1, temperature=0.0, turn=0, repeat=0, **kw):
-    """A minimal record with the fields the analysis reads."""
-    r = {
-        "key": f"{policy}|{workload}|{prompt_id}|{turn}|{batch_size}|{temperature}|0|{repeat}",
-        "policy": policy, "workload": workload, "prompt_id": prompt_id, "category": kw.pop("category", workload),
-        "turn": turn, "batch_size": batch_size, "temperature": temperature, "repeat": repeat,
-        "tokens_per_s": tps, "generated_tokens": 33, "decode_s": 32 / tps,
-        "batch_id": kw.pop("batch_id", f"{policy}-{workload}-{prompt_id}-{turn}-{repeat}-{batch_size}"),
-        "batch_wall_s": 32 / tps + 0.1, "batch_generated_tokens": 33,
-        "rounds": 32, "drafted": 0, "accepted": 0, "tau": 1.0,
-        "drafted_per_position": [], "accepted_per_position": [],
-    }
-    r.update(kw)
-    return r
+from fakerecords import make_records, rec, write_records
 
 
 def frame(records) -> pd.DataFrame:

@@ -6,54 +6,16 @@ import shutil
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from specbench.engine.core import forward_new_tokens
 from specbench.errors import UserError
-from specbench.engine.loading import LoadedModel
 from specbench.train.data import (ChatFormat, EvalOverlap, PromptFilter, TrainingData, build_training_data,
                                   default_tap_layers, eval_prompt_texts, seed_prompts)
-from tiny import tiny_model
-
-VOCAB = 64
-IM_START, IM_END = 1, 2
-CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
-          "<|im_start|>system w1 w2<|im_end|>{% endif %}"
-          "<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
-
-
-def tiny_tokenizer():
-    """A word-level tokenizer over VOCAB ids with a ChatML-like template (no download)."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    words = specials + ["system", "user", "assistant"] + [f"w{i}" for i in range(VOCAB - 7)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>",
-                                                additional_special_tokens=["<|im_start|>", "<|endoftext|>"])
-    fast.chat_template = CHATML
-    return fast
-
-
-def tiny_target(seed: int = 0, layers: int = 4, scale: float = 6.0, fingerprint: str | None = None) -> LoadedModel:
-    """A LoadedModel around a tiny random Transformer (sharp output layer: a learnable target)."""
-    model = tiny_model(vocab=VOCAB, dim=32, layers=layers, seed=seed, scale=scale)
-    return LoadedModel(model, tiny_tokenizer(), f"tiny-{seed}", "test", "", fingerprint or f"tiny-fp-{seed}", [IM_END])
+from helpers import IM_END, IM_START, one_thread, tiny_target, tiny_tokenizer  # noqa: F401 (one_thread: autouse fixture)
 
 
 BUILD = dict(n_prompts=12, max_new_tokens=20, seed=0, batch_size=4, shard_size=5, magpie_max_tokens=40,
              progress=False)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a busy 2-core machine run ~10x faster single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,9 @@ from specbench.cli import train as cli
 from specbench.train import draft_lm
 from specbench.train.common import BUDGETS, LoopConfig, batch_indices, get_budget, lr_at, save_drafter
 from specbench.train.data import TrainingData, build_training_data
-from test_train_data import tiny_target
+from helpers import one_thread, tiny_target  # noqa: F401 (one_thread: autouse fixture)
 
 TINY = get_budget("tiny")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

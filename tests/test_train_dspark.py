@@ -13,9 +13,8 @@ from safetensors.torch import load_file
 from specbench.drafters.dspark import DSparkArgs, build_drafter, load_dspark_drafter
 from specbench.errors import UserError
 from specbench.train.common import get_budget
-from specbench.train.data import TrainingData, build_training_data
 from specbench.train.dspark import LOSS_WEIGHTS, _batch, block_loss, evaluate, make_blocks, sample_anchors, train
-from test_train_data import tiny_target
+from helpers import tiny_target, tiny_training_data
 
 TAPS = [0, 1, 2]
 
@@ -36,10 +35,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def data(target, tmp_path_factory):
-    torch.set_num_threads(1)
-    path = build_training_data(target, tmp_path_factory.mktemp("data") / "d", n_prompts=24, max_new_tokens=32,
-                               seed=0, tap_layers=TAPS, batch_size=8, shard_size=12, eval_texts=[], progress=False)
-    return TrainingData(path, target)
+    return tiny_training_data(target, tmp_path_factory.mktemp("data") / "d", TAPS)
 
 
 @pytest.fixture(scope="module")
@@ -256,12 +252,14 @@ def test_calibrate_fits_each_sampling_temperature(target, data, trained, tmp_pat
     rollouts on the validation split; build_dspark then uses the fit for each batch's temperature."""
     import shutil
 
-    from specbench.policies.calibrate import calibrate, held_out_prompts
+    from specbench.policies.calibration import calibrate, held_out_prompts
     from specbench.policies.registry import build_dspark
 
     path = tmp_path / "drafter"
     shutil.copytree(trained["dspark"][0], path)
-    result = calibrate(target, str(path), data, n_prompts=8, temperatures=(0.0, 1.0), max_new_tokens=24, batch_size=4)
+    uncalibrated = build_dspark(target, drafter=str(path), scheduler="fixed", calibrated=False)
+    result = calibrate(target, uncalibrated, str(path), data, n_prompts=8, temperatures=(0.0, 1.0), max_new_tokens=24,
+                       batch_size=4)
     saved = json.loads((path / "calibration.json").read_text())
     assert [f["sampling_temperature"] for f in saved["fits"]] == [0.0, 1.0]
     assert saved["prompts"] == len(held_out_prompts(data, 8)) > 0

@@ -8,8 +8,7 @@ import torch
 import specbench.engine.core as core
 from specbench.engine.core import SamplingConfig, generate, tree_layout
 from specbench.engine.policy import Policy
-from specbench.engine.sampling import sample
-from test_lossless import N_TOKENS, chi_square, exact_joint, sampled_counts
+from helpers import N_TOKENS, SMALL_VOCAB, broken_verify_tree, chi_square, exact_joint, sampled_counts
 from tiny import random_prompts, tiny_model
 from tree_policy import TreeDraft
 
@@ -43,8 +42,6 @@ def test_tree_greedy_identity(batch_size):
 
 @pytest.fixture(scope="module")
 def small():
-    from test_lossless import SMALL_VOCAB
-
     return tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0), tiny_model(vocab=SMALL_VOCAB, seed=11, layers=1, scale=2.0)
 
 
@@ -57,24 +54,6 @@ def test_tree_sampling_matches_target(small, sampled):
     assert sum(r.accepted for r in result.requests) > 0
     pvalue, tv = chi_square(exact, counts)
     assert pvalue > 1e-3, f"tree output distribution differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
-
-
-def broken_verify_tree(target_probs, node_tokens, parents, node_probs, n_nodes, generator):
-    """Tries top-k children with probability p(x) each but never removes a rejected child from p."""
-    b = target_probs.shape[0]
-    paths, dists = [], []
-    for r in range(b):
-        node, path, p = -1, [], target_probs[r, 0]
-        while True:
-            kids = [i for i in range(int(n_nodes[r])) if int(parents[r, i]) == node]
-            chosen = next((c for c in kids if float(torch.rand((), generator=generator)) < float(p[node_tokens[r, c]])), None)
-            if chosen is None:
-                break
-            path.append(chosen)
-            node, p = chosen, target_probs[r, chosen + 1]
-        paths.append(path)
-        dists.append(p)
-    return paths, sample(torch.stack(dists), generator)
 
 
 def test_chi_square_rejects_broken_tree_verifier(small, monkeypatch):

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from specbench.analysis import report, stats
+from specbench.bench.envinfo import environment_table
 from specbench.cli import main as cli
 
 from fakerecords import make_records, write_records
@@ -222,7 +223,7 @@ def test_environment_fields_once():
         r["env"]["device"] = "cpu"
     frame = pd.DataFrame([{**{k: v for k, v in r.items() if k != "env"}, **{f"env.{k}": v for k, v in r["env"].items()}}
                           for r in recs])
-    env = stats.environment(frame)
+    env = environment_table(frame)
     assert env["field"].is_unique and "device" in set(env["field"])
 
 

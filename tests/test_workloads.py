@@ -12,7 +12,7 @@ import pytest
 
 from specbench.errors import UserError
 from specbench.bench.workloads import (
-    WORKLOADS_DIR,
+    builtin_workloads,
     Request,
     Workload,
     list_workloads,
@@ -60,7 +60,7 @@ def test_builtin_names_match_spec_files():
     names = list_workloads()
     assert {"code", "chat", "math"} <= set(names)
     for n in names:
-        spec = tomllib.loads((WORKLOADS_DIR / f"{n}.toml").read_text())
+        spec = tomllib.loads(builtin_workloads()[n].read_text())
         assert spec["name"] == n
         for key in ("description", "source", "use_chat_template", "max_new_tokens", "count",
                     "turns", "categories", "license"):
@@ -96,7 +96,7 @@ def test_chat_is_mtbench():
 
 
 def test_math_workload_is_labelled_and_deterministic():
-    spec = tomllib.loads((WORKLOADS_DIR / "math.toml").read_text())
+    spec = tomllib.loads(builtin_workloads()["math"].read_text())
     w = load_workload("math")
     if spec["source"]["kind"] == "synthetic":
         assert spec["synthetic"] is True and w.synthetic

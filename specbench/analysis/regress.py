@@ -31,10 +31,8 @@ prompt's turns, as in :mod:`specbench.analysis.stats`. Per cell, four metrics:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -42,6 +40,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from specbench import atomic
+from specbench.costs.schema import check_profile, read_profile
 from specbench.errors import UserError
 from specbench.analysis.stats import BASELINE, CELL, DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_ci, gmean_ci, load_results, \
     paired_log_ratios
@@ -99,29 +99,6 @@ def read_tolerance(baseline) -> tuple[float, str]:
 # Cost profile
 
 
-def _check_profile(data, source: str) -> dict:
-    entries = data.get("entries") if isinstance(data, dict) else None
-    ok = isinstance(entries, list) and entries and all(
-        isinstance(e, dict) and all(isinstance(e.get(k), (int, float)) for k in ("batch", "q", "median_ms")) for e in entries)
-    if not ok:
-        raise UserError(f"{source}: not a cost profile (needs \"entries\": [{{batch, q, median_ms}}, ...])")
-    if "draft" in data and not (isinstance(data["draft"], list) and all(
-            isinstance(e, dict) and isinstance(e.get("batch"), (int, float)) and isinstance(e.get("median_ms"), (int, float))
-            for e in data["draft"])):
-        raise UserError(f"{source}: the cost profile's \"draft\" must be a list of {{batch, median_ms}}")
-    return data
-
-
-def _read_profile(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"cannot read cost profile {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"cost profile {path}: invalid JSON ({e.msg})") from None
-    return _check_profile(data, str(path))
-
-
 def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | None, str]:
     """The cost profile both runs are priced with, and where it came from.
 
@@ -130,21 +107,21 @@ def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | No
     the baseline's target (one for the baseline's device preferred). None: the metric is skipped.
     """
     if isinstance(profile, dict):
-        return _check_profile(profile, "profile"), "given profile"
+        return check_profile(profile, "profile"), "given profile"
     if profile is not None:
         p = Path(profile)
         if not p.is_file():
             raise UserError(f"cost profile not found: {p}")
-        return _read_profile(p), str(p)
+        return read_profile(p), str(p)
     aa = _aa_path(baseline)
     if aa is not None and (aa.parent / PROFILE_FILE).is_file():
-        return _read_profile(aa.parent / PROFILE_FILE), str(aa.parent / PROFILE_FILE)
+        return read_profile(aa.parent / PROFILE_FILE), str(aa.parent / PROFILE_FILE)
     targets = set(base_df["target"].dropna().astype(str)) if "target" in base_df else set()
     if not targets:
         return None, "no cost profile (records name no target): speedup_cost skipped"
     devices = set(base_df["env.device_name"].dropna().astype(str)) if "env.device_name" in base_df else set()
     from specbench.costs import profile as profiles
-    folders = [profiles.REPO_PROFILES]
+    folders = profiles.committed_profiles()
     try:
         from specbench.engine.loading import default_cache_dir
 
@@ -155,8 +132,8 @@ def resolve_profile(profile, baseline, base_df: pd.DataFrame) -> tuple[dict | No
     for folder in folders:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                data = _check_profile(json.loads(path.read_text()), str(path))
-            except (OSError, json.JSONDecodeError, UserError):
+                data = read_profile(path)
+            except UserError:
                 continue
             if str(data.get("target")) in targets:
                 name = str(data.get("device_name", ""))
@@ -523,10 +500,7 @@ def write_aa(path, pairs_of_runs: Sequence[Sequence], quantile: float = AA_QUANT
     path = Path(path)
     if path.is_dir():
         path = path / AA_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    atomic.write_json(path, data)
     return data
 
 
@@ -558,92 +532,3 @@ def format_table(rows: Sequence[dict], only_regressed: bool = False) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in body]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from specbench.cli.main import _positive_int, checked_type  # the CLI's shared argument types
-
-    _fraction = checked_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)", "must be in [0, 1)")
-    _nonneg_float = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0",
-                                 "must be a finite number ≥ 0")
-    p.add_argument("--baseline", required=True, help="baseline results (.jsonl or directory), e.g. results/baseline/NAME/")
-    p.add_argument("--current", help="current results (.jsonl or directory), e.g. results/NAME/")
-    p.add_argument("--max-slowdown", type=_fraction, default=0.05,
-                   help="relative drop that counts as a regression (default 0.05)")
-    p.add_argument("--tolerance", type=_nonneg_float, default=None,
-                   help="wall-clock A/A tolerance (default: aa.json beside the baseline, else 0)")
-    p.add_argument("--profile", help="cost profile json for speedup_cost (default: profile.json beside the baseline, "
-                                     "else a committed/cached profile of the baseline's target)")
-    p.add_argument("--resamples", type=_positive_int, default=DEFAULT_RESAMPLES, help="bootstrap resamples (default 2000)")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed (default 0)")
-    p.add_argument("--calibrate", nargs="+", metavar="RUN",
-                   help="A/A calibration instead of a comparison: an even number of results paths of the same code "
-                        "(A1 B1 A2 B2 ...), paired in order; writes aa.json beside --baseline")
-    return p
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``regress`` subcommand to an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "regress", help="CI regression gate: compare results against a baseline",
-        description="Compare results against a baseline: exit 1 if τ, acceptance, the wall-clock speedup vs ar "
-                    "(bootstrap bound, A/A tolerance) or the cost-model speedup regressed; 0 otherwise.")
-    return add_arguments(p)
-
-
-def main(args) -> int:
-    """Run the gate for parsed ``args``; 0: no regression, 1: regression. Raises UserError on bad input."""
-    if args.calibrate:
-        runs = list(args.calibrate)
-        if len(runs) % 2:
-            raise UserError(f"--calibrate takes an even number of runs (A1 B1 A2 B2 ...), got {len(runs)}")
-        base = Path(args.baseline)
-        if not base.exists():
-            raise UserError(f"baseline results path not found: {base}")
-        for r in runs:
-            if not Path(r).exists():
-                raise UserError(f"A/A run not found: {r}")
-        target = (base if base.is_dir() else base.parent) / AA_FILE
-        data = write_aa(target, list(zip(runs[::2], runs[1::2])))
-        print(f"A/A: {data['n_pairs']} pairs, {data['n_values']} cell values; tolerance (95th percentile of "
-              f"|log ratio|) = {data['tolerance']:.4f}; written to {target}")
-        return 0
-    if not args.current:
-        raise UserError("regress needs --current (or --calibrate RUN ...)")
-    rows, regressed = compare(args.baseline, args.current, max_slowdown=args.max_slowdown, tolerance=args.tolerance,
-                              profile=args.profile, n_resamples=args.resamples, seed=args.seed)
-    print(format_table(rows))
-    bad = [r for r in rows if r["verdict"] == REGRESSED]
-    if bad:
-        print(f"\nREGRESSION: {len(bad)} metric(s) in {len({r['cell'] for r in bad})} cell(s) regressed")
-        print(format_table(bad))
-        return 1
-    print(f"\nno regression ({len(rows)} metrics in {len({r['cell'] for r in rows})} cells)")
-    return 0
-
-
-def cli_main(argv=None) -> int:
-    """Standalone entry point (``python -m specbench.analysis.regress ...``): exit status 0/1, 2 on bad input."""
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise UserError(message)
-
-    try:
-        parser = add_arguments(_Parser(prog="specbench regress", description=main.__doc__))
-        try:
-            args = parser.parse_args(argv)
-        except SystemExit as e:  # --help
-            return int(e.code or 0)
-        return main(args)
-    except UserError as e:
-        print(f"specbench: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(cli_main())

@@ -30,8 +30,6 @@ import datetime as _dt
 import html
 import io
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -42,7 +40,9 @@ from matplotlib.backends.backend_pdf import PdfPages
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
+from specbench import atomic
 from specbench.analysis import stats
+from specbench.bench.envinfo import environment_table
 from specbench.errors import UserError
 
 _PALETTE = ["#4d4d4d", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
@@ -683,25 +683,6 @@ def _png_b64(fig: Figure) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 _METHOD = (
     "Speedup is paired per prompt: each policy's tokens/s (decode rate per user, TTFT excluded) "
     "is divided by the AR baseline's on the same prompt, turn, batch size and temperature "
@@ -756,7 +737,7 @@ def write_report(
     cats = df.groupby("workload")["category"].nunique()
     summary_cat = stats.summarize(df, by_category=True, n_resamples=n_resamples, seed=seed) if (cats > 1).any() else None
     pos = stats.position_acceptance(df)
-    env = stats.environment(df)
+    env = environment_table(df)
     colors = _colors(df["policy"])
 
     figs: list[tuple[str, str, Figure]] = [
@@ -833,7 +814,7 @@ def write_report(
                     parts += [f"<h3>{html.escape(name)}</h3>", _html_table(t)]
             parts += ["<h2>Run environment</h2>", _html_table(env.rename(columns={"field": "Field", "value": "Value"}), "env"),
                       "<p class='muted'>specbench — paired per-prompt statistics; see docs for definitions.</p></body></html>"]
-            _atomic_write(Path(html_path), "".join(parts).encode("utf-8"))
+            atomic.write_text(Path(html_path), "".join(parts))
 
         if pdf_path is not None:
             buf = io.BytesIO()
@@ -858,7 +839,7 @@ def write_report(
             with PdfPages(buf, metadata={"Title": title, "Creator": "specbench"}) as pdf:
                 for f in pages:
                     pdf.savefig(f, facecolor="white")
-            _atomic_write(Path(pdf_path), buf.getvalue())
+            atomic.write_bytes(Path(pdf_path), buf.getvalue())
     finally:
         for _, _, f in figs:
             f.clear()

@@ -66,19 +66,18 @@ same key (a file copied twice) count once, as in specbench.analysis.stats.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
 import random
 import statistics
-import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
+from specbench import atomic
 from specbench.errors import UserError
 
 # torch and the policy code are imported where used: the CLI builds this parser for every command.
@@ -144,32 +143,25 @@ class Costs:
 def load_costs(profile_path: str | Path) -> Costs:
     from specbench.costs import profile as profiles
     from specbench.engine.loading import default_cache_dir
-    from specbench.analysis.regress import _read_profile  # the gate's reader: one-line errors on bad profiles
+    from specbench.costs.schema import DRAFTER_COSTS_FILE, parse_drafter_cost_key, read_profile
 
     path = Path(profile_path)
     if not path.is_file():
         raise UserError(f"cost profile not found: {path}")
-    data = _read_profile(path)
-    for section, fields in (("round", ("batch", "q", "median_ms")), ("prefill", ("batch", "tokens", "median_ms"))):
-        entries = data.get(section)
-        if entries is not None and not (isinstance(entries, list) and entries and all(
-                isinstance(e, dict) and all(isinstance(e.get(k), (int, float)) for k in fields) for e in entries)):
-            raise UserError(f"{path}: the cost profile's {section!r} must be a list of {{{', '.join(fields)}}}")
+    data = read_profile(path)
     step = profiles.step_time_model(data)
     device = str(data.get("device_name", ""))
     drafters = {}
     # drafter costs measured on this profile's device: committed, beside the profile, this machine's cache
-    for table in (profiles.REPO_PROFILES / "drafters.json", path.parent / "drafters.json",
-                  default_cache_dir() / "profiles" / "drafters.json"):
+    for table in [*(folder / DRAFTER_COSTS_FILE for folder in profiles.committed_profiles()),
+                  path.parent / DRAFTER_COSTS_FILE, default_cache_dir() / "profiles" / DRAFTER_COSTS_FILE]:
         try:
             known = json.loads(table.read_text())
         except (OSError, json.JSONDecodeError):
             continue
         for key, entries in known.items() if isinstance(known, dict) else ():
-            name, _, dev = key.rpartition("|")
-            # keys are "path@digest|device" (profile.drafter_digest); skip costs of an older
-            # checkpoint at the same path when the current one is here to compare with
-            name, _, digest = name.partition("@")
+            # skip costs of an older checkpoint at the same path when the current one is here to compare with
+            name, digest, dev = parse_drafter_cost_key(key)
             current = profiles.drafter_digest(name) if digest else "-"
             if digest and current != "-" and digest != current:
                 continue
@@ -271,8 +263,7 @@ def _dspark_decider(policy, gamma: int):
 
     def decide(rows: list[_Row], active: list[bool]):
         b = len(rows)
-        if policy.skip_rounds > 0:  # the draft gate: a plain decode step
-            policy.skip_rounds -= 1
+        if policy.gate is not None and policy.gate.skip():  # the draft gate: a plain decode step
             return [0] * b, [None] * b, False
         entries = [r.drafted[r.cursor % len(r.drafted)] if a and r.drafted else None for r, a in zip(rows, active)]
         conf = torch.zeros(b, gamma)
@@ -280,8 +271,8 @@ def _dspark_decider(policy, gamma: int):
             if e is not None:
                 conf[i, : min(len(e[0]), gamma)] = torch.tensor(e[0][:gamma], dtype=torch.float32)
         active_t = torch.tensor(active, dtype=torch.bool)
-        if policy.draft_gate:
-            policy._update_gate(conf, active_t)
+        if policy.gate is not None:
+            policy.gate.update(conf, active_t)
         draft = Draft(tokens=torch.zeros(b, gamma, dtype=torch.long), probs=None,
                       lengths=torch.full((b,), gamma, dtype=torch.long), confidence=conf)
         lengths = policy.schedule(draft, SimpleNamespace(active=active_t, batch_size=b)).clamp(max=gamma) * active_t
@@ -496,14 +487,12 @@ def simulate_records(recs: list[dict], costs: Costs, concurrencies, modes=("cont
 def write_outputs(rows: list[dict], out_dir: Path, settings: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / OUT_FILE
-    tmp = out_dir / f".{OUT_FILE}.tmp"
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+    with atomic.replacing(csv_path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(COLUMNS))
         w.writeheader()
         for row in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items() if k in COLUMNS})
-    tmp.replace(csv_path)
-    (out_dir / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    atomic.write_json(out_dir / SETTINGS_FILE, settings, indent=2)
     return csv_path
 
 
@@ -518,53 +507,3 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['per_user_tok_s']:>10.1f} {r['throughput_tok_s']:>10.1f} {r['mean_verify_len']:>5.2f} "
                      f"{r['tau']:>5.2f}{meas}")
     return "\n".join(lines)
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    from specbench.cli.main import _list_of, _nonneg_int, _positive_int  # the CLI's shared argument types
-
-    p = subparsers.add_parser(
-        "simulate", help="per-user tokens/s and throughput vs concurrency, replaying recorded traces on a cost profile",
-        description="Replay the per-round traces of real runs against a cost profile (any device) to estimate "
-                    "per-user tokens/s and throughput at each concurrency; DSpark re-schedules on the replayed confidences.")
-    p.add_argument("--trace", required=True, help="results directory or .jsonl whose records carry traces, e.g. results/sweeps/NAME/")
-    p.add_argument("--profile", required=True, help="cost profile json from `specbench profile` (any device)")
-    p.add_argument("--concurrency", type=_list_of(_positive_int, "positive integers"), default=[1, 4, 16, 64, 256],
-                   help="comma-separated numbers of requests in flight (default 1,4,16,64,256)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="continuous",
-                   help="continuous batching (default), static batches as the core runs them, or both")
-    p.add_argument("--requests", type=_positive_int, help="requests per cell (default: continuous max(8·c, recorded), "
-                                                           "static the recorded ones, at least c)")
-    p.add_argument("--source-batch-size", type=_positive_int,
-                   help="replay the records of this batch size (default: the smallest recorded)")
-    p.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the acceptance draws (default 0)")
-    p.add_argument("--out", help="output directory (default: simulation/ beside the traces)")
-    p.set_defaults(func=main)
-    return p
-
-
-def main(args) -> int:
-    from specbench.cli.main import check_writable
-
-    trace = Path(args.trace)
-    if not trace.exists():
-        raise UserError(f"trace path not found: {trace}")
-    out = Path(args.out) if args.out else (trace if trace.is_dir() else trace.parent) / "simulation"
-    check_writable(out, "directory")
-    modes = MODES if args.mode == "both" else (args.mode,)
-    recs, untraced = load_traces(trace)
-    costs = load_costs(args.profile)
-    rows = simulate_records(recs, costs, args.concurrency, modes, requests=args.requests,
-                            source_batch_size=args.source_batch_size, seed=args.seed)
-    settings = {"trace": str(trace), "profile": str(args.profile), "device_name": costs.device_name,
-                "concurrency": list(args.concurrency), "modes": list(modes), "requests": args.requests,
-                "source_batch_size": args.source_batch_size, "seed": args.seed}
-    path = write_outputs(rows, out, settings)
-    print(format_table(rows))
-    missing = sorted({name for r in rows for name in ("overheads", "prefill", "draft_cost") if not r[f"{name}_modeled"]})
-    if missing:
-        print(f"note: not in this profile, left out of the cost: {', '.join(missing)}", file=sys.stderr)
-    if untraced:
-        print(f"note: no per-round traces, not simulated: {', '.join(untraced)}", file=sys.stderr)
-    print(f"written: {path}")
-    return 0

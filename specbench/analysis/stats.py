@@ -441,7 +441,7 @@ def stalled_requests(df: pd.DataFrame, cols: Sequence[str] = CELL) -> pd.Series:
     return per_step / median
 
 
-def _stall_note(ratio: pd.Series, who: str = "", prompts: pd.Series | None = None) -> str:
+def stall_note(ratio: pd.Series, who: str = "", prompts: pd.Series | None = None) -> str:
     bad = ratio[ratio > STALL_FACTOR].sort_values(ascending=False)
     if bad.empty:
         return ""
@@ -453,7 +453,7 @@ def _stall_note(ratio: pd.Series, who: str = "", prompts: pd.Series | None = Non
             f"{which}): timings untrustworthy, rerun on an idle machine")
 
 
-def _gate_counts(d: pd.DataFrame) -> tuple[int, int]:
+def gate_counts(d: pd.DataFrame) -> tuple[int, int]:
     """(rounds with a confidence trace, rounds the draft gate skipped) of one cell's records."""
     if "trace" not in d:
         return 0, 0
@@ -466,7 +466,7 @@ def _gate_counts(d: pd.DataFrame) -> tuple[int, int]:
     return rounds, skipped
 
 
-def _gate_note(d: pd.DataFrame, rounds: int, skipped: int, batch_size) -> str:
+def gate_note(d: pd.DataFrame, rounds: int, skipped: int, batch_size) -> str:
     if not skipped:
         return ""
     drafted = pd.to_numeric(d.get("drafted", pd.Series(dtype=float)), errors="coerce").sum()
@@ -555,13 +555,13 @@ def summarize(
             row["ttft_median_s"] = float(d["ttft_s"].astype(float).median())
         row["throughput"], row["n_batches"] = _throughput(d)
         row["stalled"] = int((stall[d.index] > STALL_FACTOR).sum())
-        notes.append(_stall_note(stall[d.index], prompts=d["prompt_id"]))
+        notes.append(stall_note(stall[d.index], prompts=d["prompt_id"]))
         if pol != baseline:  # the paired speedup divides by the baseline's timings too
             base = df[(df["policy"] == baseline) & np.logical_and.reduce([(df[c] == cell[c]).to_numpy() for c in cols])]
-            notes.append(_stall_note(stall[base.index], f"{baseline}: ", base["prompt_id"]))
+            notes.append(stall_note(stall[base.index], f"{baseline}: ", base["prompt_id"]))
         row["timing_suspect"] = any(n and "stalled" in n for n in notes)
-        row["rounds_traced"], row["gate_skipped"] = _gate_counts(d)
-        notes.append(_gate_note(d, row["rounds_traced"], row["gate_skipped"], cell["batch_size"]))
+        row["rounds_traced"], row["gate_skipped"] = gate_counts(d)
+        notes.append(gate_note(d, row["rounds_traced"], row["gate_skipped"], cell["batch_size"]))
         row["note"] = "; ".join(dict.fromkeys(n for n in notes if n))
         rows.append(row)
     order = cols + [
@@ -708,30 +708,7 @@ def position_acceptance(
     return pd.DataFrame(rows)
 
 
-def environment(df: pd.DataFrame) -> pd.DataFrame:
-    """The run environment: distinct values of ``env.*`` and run-level fields, one row each."""
-    fields = [c for c in df.columns if c.startswith("env.")]
-    fields += [c for c in ("target", "device", "max_new_tokens", "top_p") if c in df.columns
-               and f"env.{c}" not in fields]  # one row per name ("device" is in both env and the record)
-    rows = []
-    for c in fields:
-        vals = df[c].dropna().map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v))
-        uniq = list(dict.fromkeys(vals))
-        rows.append({"field": c.removeprefix("env."), "value": ", ".join(uniq[:6]) + (f" (+{len(uniq) - 6} more)" if len(uniq) > 6 else "")})
-    if "policy" in df.columns:
-        for pol, d in df.groupby("policy", sort=True):
-            desc = []
-            if "drafter" in d and d["drafter"].notna().any():
-                desc.append("drafter=" + ", ".join(dict.fromkeys(map(str, d["drafter"].dropna()))))
-            if "policy_params" in d:
-                pp = list(dict.fromkeys(json.dumps(v, sort_keys=True) for v in d["policy_params"] if isinstance(v, dict) and v))
-                if pp:
-                    desc.append("params=" + " | ".join(pp[:3]))
-            rows.append({"field": f"policy {pol}", "value": "; ".join(desc) or "-"})
-    return pd.DataFrame(rows, columns=["field", "value"])
-
-
 __all__ = [
     "load_results", "summarize", "compare_policies", "position_acceptance", "paired_log_ratios",
-    "holm", "rank_biserial", "wilcoxon_p", "bootstrap_ci", "gmean_ci", "environment", "sources",
+    "holm", "rank_biserial", "wilcoxon_p", "bootstrap_ci", "gmean_ci", "sources",
 ]

@@ -40,7 +40,7 @@ import torch
 
 from specbench.engine.core import BatchResult, RequestResult, SamplingConfig
 from specbench.errors import UserError
-from specbench.bench.runner import Engine
+from specbench.bench.engines import Engine
 
 BASELINES = {
     "hf": "transformers generate() on the same weights (any batch size, left padding)",

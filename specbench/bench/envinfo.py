@@ -1,4 +1,5 @@
-"""The run environment recorded in every results record (`env`, docs/records.md)."""
+"""The run environment: what every results record carries (`env`, docs/records.md), and the
+table the report makes of it."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -7,10 +8,11 @@ import platform
 import socket
 import subprocess
 import sys
+import json
 from functools import lru_cache
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from specbench import resources
 
 
 def _version(pkg: str) -> str | None:
@@ -46,7 +48,7 @@ def device_name(device) -> str:
 
 
 @lru_cache(maxsize=1)
-def git_state(repo: str = str(REPO_ROOT)) -> tuple[str | None, bool | None]:
+def git_state(repo: str = str(resources.SOURCE_ROOT)) -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout specbench runs from; (None, None) outside a git checkout."""
     if not (Path(repo) / ".git").exists():
         return None, None
@@ -81,3 +83,30 @@ def environment(device="cpu") -> dict:
         "platform": sys.platform,
         "time": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+
+
+def environment_table(df):
+    """The run environment of a results DataFrame (:func:`specbench.analysis.stats.load_results`), as
+    the report shows it: the distinct values of every ``env.*`` field :func:`environment` recorded
+    and of the run-level fields, one row each, plus one row per policy (drafter, parameters)."""
+    import pandas as pd  # here, so recording an environment stays light
+
+    fields = [c for c in df.columns if c.startswith("env.")]
+    fields += [c for c in ("target", "device", "max_new_tokens", "top_p") if c in df.columns
+               and f"env.{c}" not in fields]  # one row per name ("device" is in both env and the record)
+    rows = []
+    for c in fields:
+        vals = df[c].dropna().map(lambda v: json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v))
+        uniq = list(dict.fromkeys(vals))
+        rows.append({"field": c.removeprefix("env."), "value": ", ".join(uniq[:6]) + (f" (+{len(uniq) - 6} more)" if len(uniq) > 6 else "")})
+    if "policy" in df.columns:
+        for pol, d in df.groupby("policy", sort=True):
+            desc = []
+            if "drafter" in d and d["drafter"].notna().any():
+                desc.append("drafter=" + ", ".join(dict.fromkeys(map(str, d["drafter"].dropna()))))
+            if "policy_params" in d:
+                pp = list(dict.fromkeys(json.dumps(v, sort_keys=True) for v in d["policy_params"] if isinstance(v, dict) and v))
+                if pp:
+                    desc.append("params=" + " | ".join(pp[:3]))
+            rows.append({"field": f"policy {pol}", "value": "; ".join(desc) or "-"})
+    return pd.DataFrame(rows, columns=["field", "value"])

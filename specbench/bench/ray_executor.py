@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Callable, Sequence
 
 from specbench.errors import UserError
-from specbench.bench.runner import (SweepResult, _Bars, check_compatible, make_engine, plan_size, read_records, record_key,
+from specbench.bench.runner import (ProgressBars, SweepResult, check_compatible, make_engine, plan_size, read_records, record_key,
                               run_cell, RecordWriter)
 
 
@@ -131,7 +131,7 @@ def run_sweep_ray(load_target: Callable, target_key: str, policies: Sequence[tup
 
     result = SweepResult(path=out_path)
     n_cells, n_requests = plan_size(list(policies), workloads, batch_sizes, temperatures, repeats)
-    bars = _Bars(n_cells, n_requests, enabled=progress)
+    bars = ProgressBars(n_cells, n_requests, enabled=progress)
     pending = {}
     try:
         for w in workloads:

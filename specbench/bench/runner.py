@@ -57,12 +57,14 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from specbench.engine.core import BatchResult, SamplingConfig, generate
+from specbench import atomic
+from specbench.bench import baselines
+from specbench.bench.engines import Engine, PolicyEngine
+from specbench.engine.core import BatchResult, SamplingConfig
 from specbench.errors import UserError
 from specbench.bench.workloads import Workload, render_prompt
 
@@ -76,38 +78,8 @@ _CONSISTENT = ("target", "max_new_tokens", "top_p", "policy_params", "drafter", 
 # Engines
 
 
-class Engine:
-    """Decodes batches of token-id prompts. Subclasses set ``name``, ``params``, ``drafter``."""
-
-    name: str = "?"
-    drafter: str | None = None
-    max_batch_size: int | None = None  # None: any
-
-    def params(self) -> dict:
-        return {}
-
-    def decode(self, prompts: list[list[int]], config: SamplingConfig, eos_ids: Sequence[int]) -> BatchResult:
-        raise NotImplementedError
-
-
-class PolicyEngine(Engine):
-    """A :class:`specbench.engine.policy.Policy` running in the shared decode core on the target."""
-
-    def __init__(self, target_model, policy, name: str | None = None):
-        self.target_model, self.policy = target_model, policy
-        self.name = name or policy.name
-        self.drafter = getattr(policy, "drafter", None)
-
-    def params(self) -> dict:
-        return self.policy.params()
-
-    def decode(self, prompts, config, eos_ids):
-        return generate(self.target_model, self.policy, prompts, config, eos_ids)
-
-
 def make_engine(name: str, target, overrides: dict | None = None) -> Engine:
     """The engine for a policy name / spec path, or a peer baseline (``hf``, ``hf-assisted``, ``hf-pld``)."""
-    from specbench.bench import baselines
     if name in baselines.BASELINES:
         return baselines.make_baseline(name, target, overrides or {})
     from specbench.policies.registry import build_policy
@@ -232,7 +204,7 @@ def read_records(path: str | Path, repair: bool = True) -> list[dict]:
             pass  # truncated by a kill: drop it
         dirty = True
     if dirty and repair:
-        _atomic_rewrite(path, records)
+        atomic.write_text(path, "".join(json.dumps(rec) + "\n" for rec in records))
     return records
 
 
@@ -246,37 +218,6 @@ def _parse_record(line: bytes, path: Path, lineno: int) -> dict:
     if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
         raise UserError(f"{path}: line {lineno}: not a results record (a JSON object with a 'key')")
     return rec
-
-
-def _atomic_rewrite(path: Path, records: list[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class RecordWriter:
@@ -482,7 +423,7 @@ def run_sweep(target, engines: list[Engine], workloads: list[Workload], out_path
                done=done, warmup=warmup, on_decode=on_decode)
     result = SweepResult(path=out_path)
     n_cells, n_requests = plan_size(engines, workloads, batch_sizes, temperatures, repeats)
-    bars = _Bars(n_cells, n_requests, enabled=progress)
+    bars = ProgressBars(n_cells, n_requests, enabled=progress)
     try:
         with RecordWriter(out_path) as writer:
             for w in workloads:
@@ -511,7 +452,7 @@ def run_sweep(target, engines: list[Engine], workloads: list[Workload], out_path
     return result
 
 
-class _Bars:
+class ProgressBars:
     """tqdm progress (stderr) over cells and requests."""
 
     def __init__(self, n_cells: int, n_requests: int, enabled: bool):

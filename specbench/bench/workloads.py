@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from specbench import resources
 from specbench.errors import UserError
-
-WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 
 #: max_new_tokens for a workload read from a bare .jsonl file (no spec to say otherwise).
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -64,11 +63,15 @@ class Workload:
 # --------------------------------------------------------------------------- discovery
 
 
+def builtin_workloads() -> dict[str, Path]:
+    """{name: spec} of the built-in workloads: ``workloads/*.toml`` in the shipped folders
+    (:mod:`specbench.resources`)."""
+    return resources.files("workloads", "*.toml")
+
+
 def list_workloads() -> list[str]:
     """Names of the built-in workloads (the stems of ``workloads/*.toml``)."""
-    if not WORKLOADS_DIR.is_dir():
-        return []
-    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.toml"))
+    return list(builtin_workloads())
 
 
 def load_workload(name_or_path: str, limit: int | None = None) -> Workload:
@@ -82,8 +85,8 @@ def load_workload(name_or_path: str, limit: int | None = None) -> Workload:
             raise UserError(f"workload limit must be a positive integer, got {limit!r}")
 
     name_or_path = str(name_or_path)
-    builtin = WORKLOADS_DIR / f"{name_or_path}.toml"
-    if "/" not in name_or_path and "\\" not in name_or_path and builtin.is_file():
+    builtin = builtin_workloads().get(name_or_path)
+    if "/" not in name_or_path and "\\" not in name_or_path and builtin is not None:
         return _load_spec(builtin, limit)
 
     path = Path(name_or_path).expanduser()
@@ -92,7 +95,7 @@ def load_workload(name_or_path: str, limit: int | None = None) -> Workload:
         or name_or_path.endswith((".jsonl", ".jsonl.gz", ".json", ".toml"))
     )
     if not looks_like_path and not path.is_file():
-        valid = ", ".join(list_workloads()) or "(none found in %s)" % WORKLOADS_DIR
+        valid = ", ".join(list_workloads()) or "(none found: see specbench/resources.py)"
         raise UserError(
             f"unknown workload {name_or_path!r}; built-in workloads: {valid}; "
             "or give a path to a .jsonl (Spec-Bench or DeepSpec format) or .toml spec"

@@ -1,4 +1,7 @@
-"""Command line: `python -m specbench {run,sweep,compare,report,list,simulate,train,calibrate,profile,regress} ...`.
+"""Command line: `python -m specbench <command> ...`. Every command's parser names the function
+that runs it (`set_defaults(func=...)`): run, sweep, list, report, compare, calibrate and profile
+here; train, regress and simulate in their own modules of this package. Argument types and
+output checks are in specbench/cli/args.py.
 
 Every input problem is reported as ONE line, `specbench: error: <message>`, on stderr with exit
 status 2, before any output file is created or any model is loaded. Ctrl-C exits with 130; the
@@ -11,84 +14,20 @@ import datetime as _dt
 import inspect
 import json
 import math
-import os
 import re
 import statistics
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
 
+from specbench import atomic
+from specbench.cli import args as arg
 from specbench.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m"
 RUN_DEFAULT_LIMIT = 8  # requests a `run` takes without --limit / --all
 SWEEP_RECORDS = "records.jsonl"
 SWEEP_SETTINGS = "sweep.json"
-
-
-# ---------------------------------------------------------------------------------------------
-# argparse plumbing: errors become UserError (one line), values are validated by their types
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # default: usage + message, exit 2 → we want one line
-        raise UserError(message)
-
-
-def checked_type(convert, valid, expected: str, must: str):
-    """An argparse `type`: convert (ValueError → "expected …"), then check (False → "must …");
-    both become argparse's one-line usage error. Shared by every command's numeric options."""
-
-    def parse(s: str):
-        try:
-            v = convert(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
-        if not valid(v):
-            raise argparse.ArgumentTypeError(f"{must}, got {s!r}")
-        return v
-
-    return parse
-
-
-_positive_int = checked_type(int, lambda v: v > 0, "a positive integer", "must be a positive integer")
-_nonneg_int = checked_type(int, lambda v: v >= 0, "an integer ≥ 0", "must be ≥ 0")
-_temperature = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0",
-                            "temperature must be a finite number ≥ 0")
-_top_p = checked_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]", "top-p must be in (0, 1]")
-
-
-def _list_of(item_type, what: str):
-    def parse(s: str):
-        parts = [p.strip() for p in s.split(",")]
-        if not s.strip() or any(not p for p in parts):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {s!r}")
-        out = [item_type(p) for p in parts]
-        if len(set(map(str, out))) != len(out):
-            raise argparse.ArgumentTypeError(f"duplicate entries in {s!r}")
-        return out
-
-    return parse
-
-
-def _param(s: str) -> tuple[str, object]:
-    key, sep, raw = s.partition("=")
-    key = key.strip()
-    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {s!r}")
-    return key, parse_scalar(raw.strip())
-
-
-def parse_scalar(raw: str):
-    """A TOML scalar (`4`, `0.5`, `true`, `"x"`); anything else is taken as a bare string."""
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-    if isinstance(value, (dict, list)) or hasattr(value, "isoformat"):
-        return raw
-    return value
 
 
 COMMAND_NAMES = ("run", "sweep", "compare", "report", "list", "simulate", "train", "corpus", "calibrate", "profile", "regress")
@@ -104,20 +43,20 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
+    p = arg.Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
     p.add_argument("--version", action="version", version=f"specbench {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMAND_NAMES) + "}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMAND_NAMES) + "}", parser_class=arg.Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
-        sp.add_argument("--limit", type=_positive_int, help="use the first N requests of each workload"
+        sp.add_argument("--limit", type=arg.positive_int, help="use the first N requests of each workload"
                         + (f" (default {RUN_DEFAULT_LIMIT}; --all for every one)" if single else " (default: all)"))
-        sp.add_argument("--max-new-tokens", type=_positive_int,
+        sp.add_argument("--max-new-tokens", type=arg.positive_int,
                         help="generation limit per request, below the target's context (default: the workload's)")
-        sp.add_argument("--top-p", type=_top_p, default=1.0,
+        sp.add_argument("--top-p", type=arg.top_p, default=1.0,
                         help="nucleus sampling: keep the smallest token set with this much probability, in (0, 1] "
                              "(default 1: off; unused at temperature 0)")
-        sp.add_argument("--seed", type=_nonneg_int, default=0,
+        sp.add_argument("--seed", type=arg.nonneg_int, default=0,
                         help="sampling seed; every policy gets the same per-batch seeds from it (default 0)")
         sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
         sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -126,14 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", required=True, help="policy name, baseline (hf, hf-assisted, hf-pld) or spec .toml")
     r.add_argument("--workload", required=True, help="workload name, spec .toml or .jsonl file")
     common(r, True)
-    r.add_argument("--batch-size", type=_positive_int, default=1, help="requests decoded together (default 1)")
+    r.set_defaults(func=cmd_run)
+    r.add_argument("--batch-size", type=arg.positive_int, default=1, help="requests decoded together (default 1)")
     r.add_argument("--all", action="store_true",
                    help=f"every request of the workload (default without --limit: the first {RUN_DEFAULT_LIMIT})")
-    r.add_argument("--temperature", type=_temperature, default=0.0,
+    r.add_argument("--temperature", type=arg.temperature, default=0.0,
                    help="sampling temperature, ≥ 0 (default 0: greedy, token-identical to ar)")
     r.add_argument("--out", help="results .jsonl (default results/run-<policy>-<workload>-<UTC time>.jsonl); "
                                  "an existing file is resumed")
-    r.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
+    r.add_argument("--param", type=arg.param, action="append", default=[], metavar="NAME=VALUE",
                    help="policy parameter override, value parsed as a TOML scalar (repeatable)")
     r.add_argument("--no-ar", action="store_true",
                    help="do not also decode the same requests with ar (by default a run of any other policy "
@@ -141,28 +81,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sweep", help="policies × workloads × batch sizes × repeats, interleaved",
                        description="Sweep policies × workloads × batch sizes × temperatures × repeats.")
-    s.add_argument("--policies", type=_list_of(str, "policy names"), required=True,
+    s.add_argument("--policies", type=arg.list_of(str, "policy names"), required=True,
                    help="comma-separated policy names or spec .toml files, e.g. ar,pld,dspark (include ar: "
                         "speedups are paired against it)")
-    s.add_argument("--workloads", type=_list_of(str, "workload names"), required=True,
+    s.add_argument("--workloads", type=arg.list_of(str, "workload names"), required=True,
                    help="comma-separated workload names, spec .toml or .jsonl files, e.g. code,chat")
-    s.add_argument("--batch-sizes", type=_list_of(_positive_int, "positive integers"), default=[1],
+    s.add_argument("--batch-sizes", type=arg.list_of(arg.positive_int, "positive integers"), default=[1],
                    help="comma-separated batch sizes, e.g. 1,4,16 (default 1)")
-    s.add_argument("--repeats", type=_positive_int, default=1, help="times each request is decoded (default 1)")
-    s.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0],
+    s.add_argument("--repeats", type=arg.positive_int, default=1, help="times each request is decoded (default 1)")
+    s.add_argument("--temperatures", type=arg.list_of(arg.temperature, "temperatures ≥ 0"), default=[0.0],
                    help="comma-separated sampling temperatures, e.g. 0,1 (default 0: greedy)")
     s.add_argument("--out", required=True, help="results directory (records.jsonl + sweep.json); resumed if it exists")
     s.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this process (default); ray: each cell a Ray task (pip install -e \".[ray]\")")
     s.add_argument("--ray-address", help="Ray cluster to attach to (default: RAY_ADDRESS, else start a local one; 'auto': a running local one)")
     common(s, False)
+    s.set_defaults(func=cmd_sweep)
 
-    sub.add_parser("list", help="policies, baselines, workloads and models", description="List what can be run.")
+    sub.add_parser("list", help="policies, baselines, workloads and models",
+                   description="List what can be run.").set_defaults(func=cmd_list)
 
     rep = sub.add_parser("report", help="HTML + PDF report from results", description="Write the HTML and PDF report.")
     rep.add_argument("results", help="a results .jsonl file or a directory of them")
     rep.add_argument("--html", help="HTML output (default: report.html beside the results)")
     rep.add_argument("--pdf", help="PDF output (default: report.pdf beside the results)")
+    rep.set_defaults(func=cmd_report)
 
     cmp = sub.add_parser("compare", help="paired test of one policy against another (tokens/s or τ)",
                          description="Pair two policies' requests on the same prompts in every cell of the results "
@@ -175,14 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens_per_s (speed, the default) or tau (tokens per verify round: drafter quality, no timing noise)")
     cmp.add_argument("--by-category", action="store_true", help="one cell per workload category too")
     cmp.add_argument("--csv", help="also write the table as csv")
+    cmp.set_defaults(func=cmd_compare)
 
-    from specbench.analysis import regress, simulate
+    from specbench.cli import regress as regress_cli
+    from specbench.cli import simulate as simulate_cli
     from specbench.cli import train as train_cli
 
     train_cli.add_parser(sub)
     train_cli.add_corpus_parser(sub)
-    regress.add_parser(sub)
-    simulate.add_parser(sub)
+    regress_cli.add_parser(sub)
+    simulate_cli.add_parser(sub)
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")
@@ -190,13 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="DSpark drafter directory; the fit is written beside it (default %(default)s)")
     cal.add_argument("--data", required=True, help="the drafter's training data directory (its validation split is used)")
     cal.add_argument("--target", default=DEFAULT_TARGET, help=f"the drafter's target model (default {DEFAULT_TARGET})")
-    cal.add_argument("--prompts", type=_positive_int, default=24,
+    cal.add_argument("--prompts", type=arg.positive_int, default=24,
                      help="held-out prompts to roll out (default %(default)s)")
-    cal.add_argument("--temperatures", type=_list_of(_temperature, "temperatures ≥ 0"), default=[0.0, 1.0],
+    cal.add_argument("--temperatures", type=arg.list_of(arg.temperature, "temperatures ≥ 0"), default=[0.0, 1.0],
                      help="comma-separated sampling temperatures to fit at, one STS fit each (default 0,1)")
-    cal.add_argument("--max-new-tokens", type=_positive_int, default=384,
+    cal.add_argument("--max-new-tokens", type=arg.positive_int, default=384,
                      help="tokens per rollout (default %(default)s)")
-    cal.add_argument("--batch-size", type=_positive_int, default=8, help="rollouts decoded together (default %(default)s)")
+    cal.add_argument("--batch-size", type=arg.positive_int, default=8, help="rollouts decoded together (default %(default)s)")
     cal.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -204,11 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Measure target forward time vs batch size and verify length; store the cost profile.")
     prof.add_argument("--target", default=DEFAULT_TARGET, help=f"model to measure (default {DEFAULT_TARGET})")
     prof.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
-    prof.add_argument("--context", type=_positive_int, default=256,
+    prof.add_argument("--context", type=arg.positive_int, default=256,
                       help="tokens already in the KV cache when a step is timed (default %(default)s)")
-    prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16],
+    prof.add_argument("--batches", type=arg.list_of(arg.positive_int, "positive integers"), default=[1, 2, 4, 8, 16],
                       help="comma-separated batch sizes to time (default 1,2,4,8,16)")
-    prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8],
+    prof.add_argument("--qs", type=arg.list_of(arg.positive_int, "positive integers"), default=[1, 2, 4, 8],
                       help="comma-separated verify lengths q (tokens per row per forward) to time (default 1,2,4,8)")
     prof.add_argument("--out", required=True, help="profile .json to write")
     prof.set_defaults(func=cmd_profile)
@@ -216,15 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args) -> int:
-    from specbench.policies.calibrate import calibrate
     from specbench.engine.loading import load_model
+    from specbench.policies.calibration import calibrate
+    from specbench.policies.registry import build_dspark
     from specbench.train.data import TrainingData
 
     device = check_device(args.device)
     target = load_model(args.target, device=device)
     data = TrainingData(args.data, target)
-    result = calibrate(target, args.drafter, data, n_prompts=args.prompts, temperatures=tuple(args.temperatures),
-                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    policy = build_dspark(target, drafter=args.drafter, scheduler="fixed", calibrated=False)
+    result = calibrate(target, policy, args.drafter, data, n_prompts=args.prompts,
+                       temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size)
     for fit in result["fits"]:
         print(f"T = {fit['sampling_temperature']:g}: STS temperatures {[round(t, 2) for t in fit['temperatures']]}  "
               f"({fit['rollouts']} rounds from {result['prompts']} held-out prompts)")
@@ -239,7 +187,7 @@ def cmd_profile(args) -> int:
     from specbench.engine.loading import load_model
 
     device = check_device(args.device)
-    check_writable(Path(args.out), "file")
+    arg.check_writable(Path(args.out), "file")
     target = load_model(args.target, device=device)
     data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs, engine_costs=True)
     profile.save(data, args.out)
@@ -251,47 +199,6 @@ def cmd_profile(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Validation (before any output file exists or any model loads)
-
-
-def check_writable(path: Path, what: str) -> None:
-    """`path` can be created (or, if it exists, written), checked by actually doing it and undoing
-    it: `os.access` says yes to root even where the kernel refuses (/proc, read-only mounts)."""
-    if path.exists():
-        if what == "directory" and not path.is_dir():
-            raise UserError(f"output directory {path} exists and is not a directory")
-        if what == "file" and path.is_dir():
-            raise UserError(f"output file {path} is a directory")
-    anc = path if path.is_dir() else path.parent
-    while not anc.exists():
-        if anc == anc.parent:
-            break
-        anc = anc.parent
-    if anc.exists() and not anc.is_dir():
-        raise UserError(f"cannot create output {what} {path}: {anc} is not a directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise UserError(f"cannot create output {what} {path}: {anc} is not writable")
-    made: list[Path] = []  # directories this probe created, removed again (deepest first)
-    folder = path if what == "directory" else path.parent
-    try:
-        for d in reversed([folder, *folder.parents]):
-            if not d.exists():
-                d.mkdir()
-                made.append(d)
-        if path.is_file():
-            with open(path, "ab"):  # appending nothing changes neither the content nor the mtime
-                pass
-        else:
-            fd, probe = tempfile.mkstemp(prefix=".specbench-write-check.", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
-    except OSError as e:
-        raise UserError(f"output {what} {path} is not writable ({e.strerror or e})") from None
-    finally:
-        for d in reversed(made):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
 
 
 def check_context(target_spec: str, max_new_tokens: int | None, workloads) -> None:
@@ -412,7 +319,7 @@ def cmd_run(args) -> int:
     else:
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         out = Path("results") / f"run-{_slug(pname)}-{_slug(workload.name)}-{stamp}.jsonl"
-    check_writable(out, "file")
+    arg.check_writable(out, "file")
     if out.exists():
         read_records(out, repair=False)  # a malformed file fails now, not after the model loads
     check_context(args.target, args.max_new_tokens, [workload])
@@ -532,9 +439,9 @@ def run_notes(recs: list[dict], batch_size: int) -> list[str]:
     for c in ("workload", "batch_size", "temperature", "policy"):
         if c not in df:
             df[c] = None
-    notes = [stats._stall_note(stats.stalled_requests(df), prompts=df.get("prompt_id"))]
-    rounds, skipped = stats._gate_counts(df)
-    notes.append(stats._gate_note(df, rounds, skipped, batch_size))
+    notes = [stats.stall_note(stats.stalled_requests(df), prompts=df.get("prompt_id"))]
+    rounds, skipped = stats.gate_counts(df)
+    notes.append(stats.gate_note(df, rounds, skipped, batch_size))
     return [n for n in notes if n]
 
 
@@ -554,7 +461,7 @@ def _settings_diff(old: dict, new: dict) -> str:
 
 
 def cmd_sweep(args) -> int:
-    from specbench.bench.runner import fsync_dir, read_records, run_sweep
+    from specbench.bench.runner import read_records, run_sweep
 
     if args.ray_address and args.executor != "ray":
         raise UserError("--ray-address needs --executor ray")
@@ -569,7 +476,7 @@ def cmd_sweep(args) -> int:
         raise UserError(f"policy names must be distinct, got {', '.join(names)}")
     workloads = load_workloads(args.workloads, args.limit)
     out = Path(args.out)
-    check_writable(out, "directory")
+    arg.check_writable(out, "directory")
     settings = sweep_settings(args, names, workloads, device)
     settings_file, records_file = out / SWEEP_SETTINGS, out / SWEEP_RECORDS
     if settings_file.exists():
@@ -592,11 +499,7 @@ def cmd_sweep(args) -> int:
     if args.executor == "local":
         target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
     if not settings_file.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{SWEEP_SETTINGS}.tmp"
-        tmp.write_text(json.dumps(settings, indent=2) + "\n")
-        os.replace(tmp, settings_file)
-        fsync_dir(out)
+        atomic.write_json(settings_file, settings, indent=2)
     if args.executor == "ray":
         from functools import partial
 
@@ -642,8 +545,11 @@ def cmd_list(args) -> int:
     from specbench.bench import baselines
     from specbench.engine.loading import ALIASES, default_cache_dir
     from specbench.policies.registry import builtin_specs, entry_point_builders, list_policies, read_spec
-    from specbench.bench.workloads import WORKLOADS_DIR, list_workloads
+    from specbench import resources
+    from specbench.bench.workloads import builtin_workloads
+    from specbench.drafters.checkpoints import CONFIG_NAME
 
+    print("specs and drafters from: " + ", ".join(str(r) for r in resources.roots()))
     print("policies:")
     specs, eps = builtin_specs(), entry_point_builders()
     for name in list_policies():
@@ -651,21 +557,32 @@ def cmd_list(args) -> int:
             params = read_spec(name).get("params", {})
         except UserError as e:
             params = {"error": str(e)}
-        where = "entry point" if name in eps and name not in specs else f"policies/{name}.toml"
+        where = "entry point" if name in eps and name not in specs else f"policies/{specs[name].name}"
         desc = ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
         print(f"  {name:<18} {desc}   ({where})")
     print("baselines (peer implementations, run like policies):")
     for name, desc in baselines.BASELINES.items():
         print(f"  {name:<18} {desc}")
     print("workloads:")
-    for name in list_workloads():
+    for name, path in builtin_workloads().items():
         try:
-            spec = tomllib.loads((WORKLOADS_DIR / f"{name}.toml").read_text())
+            spec = tomllib.loads(path.read_text())
             desc = spec.get("description", "")
         except (OSError, tomllib.TOMLDecodeError):
             desc = "(unreadable spec)"
         print(f"  {name:<18} {desc}")
     print("  (or any Spec-Bench / DeepSpec .jsonl file, or a workload .toml spec)")
+    print("drafters (shipped checkpoints):")
+    shipped = {}
+    for folder in resources.folders("drafters"):
+        for config in sorted(folder.glob(f"*/*/{CONFIG_NAME}")):
+            shipped.setdefault(str(config.parent.relative_to(folder.parent)), config.parent)
+    for name, path in sorted(shipped.items()):
+        try:
+            kind = json.loads((path / CONFIG_NAME).read_text()).get("kind", "?")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            kind = f"(unreadable {CONFIG_NAME})"
+        print(f"  {name:<36} {kind}")
     print("models:")
     cache = default_cache_dir() / "models"
     for alias in ALIASES:
@@ -690,7 +607,7 @@ def cmd_report(args) -> int:
         html, pdf = str(base / f"{stem}.html"), str(base / f"{stem}.pdf")
     for p in (html, pdf):
         if p is not None:
-            check_writable(Path(p), "file")
+            arg.check_writable(Path(p), "file")
     from specbench.analysis import report
     report.write_report(results, html_path=html, pdf_path=pdf)
     for p in (html, pdf):
@@ -705,7 +622,7 @@ def cmd_compare(args) -> int:
     if not results.exists():
         raise UserError(f"results path not found: {results}")
     if args.csv:
-        check_writable(Path(args.csv), "file")
+        arg.check_writable(Path(args.csv), "file")
     df = stats.load_results(results)
     srcs = stats.sources(df)
     # Records of different sweeps (or run directories) are never paired with each other: the
@@ -736,22 +653,9 @@ def cmd_compare(args) -> int:
         print(f"  {cell}  n={int(r['n'])}  {r['ratio']:.3f} [{r['ratio_ci_low']:.3f}, {r['ratio_ci_high']:.3f}]"
               f"  p={r['p']:.2g}  p_holm={r['p_holm']:.2g}  {verdict}")
     if args.csv:
-        from specbench.analysis.report import _atomic_write  # the report's whole-file-or-nothing writer
-
-        _atomic_write(Path(args.csv), table.to_csv(index=False).encode("utf-8"))
+        atomic.write_text(Path(args.csv), table.to_csv(index=False))
         print(f"wrote {args.csv}")
     return 0
-
-
-COMMANDS = {"run": cmd_run, "sweep": cmd_sweep, "list": cmd_list, "report": cmd_report, "compare": cmd_compare}
-
-
-def _regress_main(args) -> int:
-    from specbench.analysis import regress
-    return regress.main(args)
-
-
-COMMANDS["regress"] = _regress_main
 
 
 def main(argv=None) -> int:
@@ -763,8 +667,6 @@ def main(argv=None) -> int:
             return int(e.code or 0)
         if not args.command:
             raise UserError(f"choose a command: {', '.join(COMMAND_NAMES)} (see specbench --help)")
-        if args.command in COMMANDS:
-            return COMMANDS[args.command](args)
         return args.func(args)
     except UserError as e:
         msg = " ".join(str(e).split()) or type(e).__name__

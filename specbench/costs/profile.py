@@ -22,8 +22,11 @@ from pathlib import Path
 
 import torch
 
-from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, round_up, synchronize, KV_BUCKET
-from specbench.engine.model import Transformer
+from specbench import atomic
+from specbench import resources
+from specbench.costs.schema import DRAFTER_COSTS_FILE, drafter_cost_key
+from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, synchronize
+from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 
 
@@ -31,7 +34,7 @@ from specbench.engine.policy import BatchState, Draft, Policy
 def time_forward(model: Transformer, batch: int, q: int, context: int, iters: int = 10, warmup: int = 2) -> list[float]:
     """Seconds per forward of q new tokens per row for `batch` rows that each hold `context` cached tokens."""
     device = model.device
-    model.setup_cache(batch, round_up(context + q + 1, KV_BUCKET))
+    model.setup_cache(batch, round_to_bucket(context + q + 1))
     tokens = torch.randint(0, model.args.vocab_size, (batch, q), device=device)
     cache_lengths = torch.full((batch,), context, dtype=torch.long, device=device)
     times = []
@@ -183,16 +186,16 @@ def measure_rounds(model: Transformer, batches, qs, context: int, iters: int = 6
 
 
 def save(profile_data: dict, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(profile_data, indent=1))
-    tmp.replace(path)
+    atomic.write_json(path, profile_data)
 
 
 PROFILE_BATCHES = (1, 2, 4, 8, 16)
 PROFILE_QS = (1, 2, 4, 8)
-REPO_PROFILES = Path(__file__).resolve().parents[2] / "results" / "profiles"
+
+
+def committed_profiles() -> list[Path]:
+    """The committed profile folders (`results/profiles/`, found as specbench/resources.py says)."""
+    return resources.folders("results/profiles")
 
 
 def device_name(device: torch.device) -> str:
@@ -235,7 +238,7 @@ def measure_drafter(draft_model, taps_dim: int, batches, context: int = 256, ite
     device = draft_model.device
     out = []
     for b in batches:
-        draft_model.setup_cache(b, round_up(context + 64, KV_BUCKET))
+        draft_model.setup_cache(b, round_to_bucket(context + 64))
         features = torch.randn(b, context, taps_dim, device=device, dtype=draft_model.dtype)
         draft_model.append_context(features)
         anchors = torch.randint(0, draft_model.args.model_args.vocab_size, (b,), device=device)
@@ -288,10 +291,10 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
         return data
     from specbench.engine.loading import default_cache_dir
 
-    key = f"{drafter_name}@{drafter_digest(drafter_name)}|{device_name(target.model.device)}"
-    cache = (cache_dir or default_cache_dir()) / "profiles" / "drafters.json"
+    key = drafter_cost_key(drafter_name, drafter_digest(drafter_name), device_name(target.model.device))
+    cache = (cache_dir or default_cache_dir()) / "profiles" / DRAFTER_COSTS_FILE
     known = {}
-    for path in (REPO_PROFILES / "drafters.json", cache):
+    for path in [*(folder / DRAFTER_COSTS_FILE for folder in committed_profiles()), cache]:
         try:
             known = {**json.loads(path.read_text()), **known}
         except (OSError, json.JSONDecodeError):
@@ -312,7 +315,7 @@ def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
     device = target.model.device
     wanted = (target.fingerprint, device_name(device), str(target.model.lm_head.weight.dtype))
     cache = (cache_dir or default_cache_dir()) / "profiles"
-    for folder in (REPO_PROFILES, cache):
+    for folder in [*committed_profiles(), cache]:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
                 data = json.loads(path.read_text())

@@ -19,17 +19,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from specbench import resources
 from specbench.errors import UserError
 from specbench.engine.model import ModelArgs, Transformer, rope_inv_freq
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_NAME = "drafter.json"
 
 
 def resolve_checkpoint(spec: str) -> Path:
-    """A checkpoint directory given as a path, or relative to the repository (shipped drafters)."""
-    for candidate in (Path(spec), REPO_ROOT / spec):
-        if (candidate / CONFIG_NAME).is_file():
+    """A checkpoint directory given as a path, or a shipped drafter by its path in the repository
+    ("drafters/smollm2-135m/eagle", found as specbench/resources.py says)."""
+    for candidate in (Path(spec), resources.find(spec)):
+        if candidate is not None and (candidate / CONFIG_NAME).is_file():
             return candidate
     raise UserError(f"drafter {spec!r}: no {CONFIG_NAME} found there (a drafter checkpoint directory is expected)")
 
@@ -58,6 +59,31 @@ def read_checkpoint(spec: str, target, kind: str) -> tuple[dict, dict[str, torch
         except (SafetensorError, OSError) as e:
             raise UserError(f"drafter {path}: corrupt weights file {shard.name}: {e}") from None
     return config, state
+
+
+def load_drafter(spec: str, target, kind: str, parse_args, build, check_args=None) -> torch.nn.Module:
+    """A drafter module of `kind` from its checkpoint, for `target` (a loading.LoadedModel): the
+    architecture from its config (`parse_args`, then `check_args` to refuse a mismatch), the
+    module built by `build(args, target embedding, target lm_head)` on the meta device, the weights
+    loaded in the target's dtype, on its device, frozen. Bad configs / weights are UserErrors."""
+    config, state = read_checkpoint(spec, target, kind=kind)
+    try:
+        args = parse_args(config["model_args"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"drafter {spec}: bad architecture in its config: {e}") from None
+    if check_args is not None:
+        check_args(args)
+    base = target.model
+    dtype = base.lm_head.weight.dtype
+    with torch.device("meta"):
+        drafter = build(args, base.model.embed_tokens.weight, base.lm_head.weight)
+    try:
+        drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                                assign=True, strict=True)
+    except RuntimeError as e:
+        raise UserError(f"drafter {spec}: weights do not match its config: {str(e).splitlines()[0]}") from None
+    drafter.inv_freq = rope_inv_freq(args.model_args).to(base.device)  # meta-initialised buffer
+    return drafter.to(base.device).eval().requires_grad_(False)
 
 
 def load_draft_lm(spec: str, target) -> Transformer:

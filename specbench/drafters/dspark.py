@@ -48,11 +48,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.engine.model import (MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq,
+                                    round_to_bucket)
 from specbench.engine.sampling import probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
-KV_BUCKET = 64  # context attention reads the cache up to a multiple of this (shapes repeat across rounds)
 
 
 @dataclass
@@ -449,7 +449,7 @@ class DSparkDrafter(nn.Module):
         ctx_len = self.ctx_len[:b]
         if anchor_positions is None:
             anchor_positions = ctx_len
-        kv_len = min(-(-int(ctx_len.max()) // KV_BUCKET) * KV_BUCKET, self.max_ctx)
+        kv_len = round_to_bucket(int(ctx_len.max()), self.max_ctx)
         x = self.block_inputs(anchor_tokens)
         positions = anchor_positions[:, None] + torch.arange(g, device=device)[None]
         ctx_visible = torch.arange(kv_len, device=device)[None, :] < ctx_len[:, None]  # [b, kv_len]
@@ -508,7 +508,7 @@ def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDra
     another target, of another kind, or with corrupt files is refused with a UserError."""
     import json
 
-    from specbench.drafters.checkpoints import CONFIG_NAME, read_checkpoint, resolve_checkpoint
+    from specbench.drafters.checkpoints import CONFIG_NAME, load_drafter, resolve_checkpoint
 
     if kind is None:
         path = resolve_checkpoint(spec)
@@ -518,20 +518,4 @@ def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDra
             raise UserError(f"drafter {path}: corrupt {CONFIG_NAME}: {e}") from None
         if kind not in KINDS:
             raise UserError(f"drafter {path} is a {kind!r} drafter, not one of {KINDS}")
-    config, state = read_checkpoint(spec, target, kind=kind)
-    try:
-        args = DSparkArgs.from_dict(config["model_args"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"drafter {spec}: bad architecture in its config: {e}") from None
-    base = target.model
-    dtype = base.lm_head.weight.dtype
-    with torch.device("meta"):
-        drafter = DSparkDrafter(args, base.model.embed_tokens.weight, base.lm_head.weight)
-    try:
-        drafter.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
-                                assign=True, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"drafter {spec}: weights do not match its config: {str(e).splitlines()[0]}") from None
-    drafter.inv_freq = rope_inv_freq(args.model_args).to(base.device)  # meta-initialised buffer
-    drafter = drafter.to(base.device)
-    return drafter.eval().requires_grad_(False)
+    return load_drafter(spec, target, kind, DSparkArgs.from_dict, DSparkDrafter)

@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.engine.model import (MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq,
+                                    round_to_bucket)
 
 KIND = "eagle"
-KV_BUCKET = 64  # attention reads the cache up to a multiple of this (shapes repeat across rounds)
 
 
 @dataclass
@@ -284,7 +284,7 @@ class EagleHead(nn.Module):
         return self.max_seq - 1
 
     def kv_len(self, needed: int) -> int:
-        return min(-(-needed // KV_BUCKET) * KV_BUCKET, self.sink)
+        return round_to_bucket(needed, self.sink)
 
     def step(self, hidden: Tensor, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
         """One cached pass: hidden [b, q, d], tokens [b, q] (their embeddings are the 2nd input),
@@ -330,24 +330,10 @@ def load_eagle_head(spec: str, target) -> EagleHead:
     """Load an "eagle" checkpoint for `target` (a loading.LoadedModel) on the target's device and
     dtype, sharing its frozen embedding / lm_head. A head trained for another target, another
     kind of drafter, or corrupt files are refused with a UserError."""
-    from specbench.drafters.checkpoints import read_checkpoint
+    from specbench.drafters.checkpoints import load_drafter
 
-    config, state = read_checkpoint(spec, target, kind=KIND)
-    try:
-        args = EagleArgs.from_dict(config["model_args"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"drafter {spec}: bad architecture in its config: {e}") from None
-    base = target.model
-    if args.model_args.dim != base.args.dim or args.model_args.vocab_size != base.args.vocab_size:
-        raise UserError(f"drafter {spec}: its widths do not match target {target.name!r}")
-    dtype = base.lm_head.weight.dtype
-    with torch.device("meta"):
-        head = EagleHead(args, base.model.embed_tokens.weight, base.lm_head.weight)
-    try:
-        head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
-                             assign=True, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"drafter {spec}: weights do not match its config: {str(e).splitlines()[0]}") from None
-    head.inv_freq = rope_inv_freq(args.model_args).to(base.device)  # meta-initialised buffer
-    head = head.to(base.device)
-    return head.eval().requires_grad_(False)
+    def check_widths(args: EagleArgs) -> None:
+        if args.model_args.dim != target.model.args.dim or args.model_args.vocab_size != target.model.args.vocab_size:
+            raise UserError(f"drafter {spec}: its widths do not match target {target.name!r}")
+
+    return load_drafter(spec, target, KIND, EagleArgs.from_dict, EagleHead, check_widths)

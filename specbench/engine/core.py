@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specbench.engine.model import Transformer
+from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import make_generator, probs_from_logits, sample
 from specbench.engine.verify import verify_chain, verify_tree
-
-KV_BUCKET = 64  # attention reads the cache up to a multiple of this, so shapes repeat across rounds
 
 
 @dataclass
@@ -79,10 +77,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def chain_mask(cache_lengths: Tensor, q: int, kv_len: int) -> Tensor:
     """[b, q, kv_len] bool: query i of row r sees every committed slot and the new slots up to its
     own (slot cache_lengths[r] + i). Padding queries past a row's verify length see only real
@@ -100,7 +94,7 @@ def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor
     graphed = getattr(model, "graphed", None)
     if graphed is not None:  # static shapes: attend over the whole cache, the mask hides the rest
         return graphed(tokens, positions, positions, chain_mask(cache_lengths, q, model.max_seq), taps=taps)
-    kv_len = min(round_up(int(cache_lengths.max()) + q, KV_BUCKET), model.max_seq)
+    kv_len = round_to_bucket(int(cache_lengths.max()) + q, model.max_seq)
     return model(tokens, positions, positions, chain_mask(cache_lengths, q, kv_len), taps=taps)
 
 
@@ -118,7 +112,7 @@ def generate(
     max_new = config.max_new_tokens
     prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
     p_max = int(prompt_lengths.max())
-    seq_cap = round_up(p_max + max_new + policy.max_draft + 2, KV_BUCKET)
+    seq_cap = round_to_bucket(p_max + max_new + policy.max_draft + 2)
     target.setup_cache(b, seq_cap)
     eos = set(int(e) for e in eos_ids)
 
@@ -144,7 +138,7 @@ def generate(
     logits, prompt_features, _ = forward_new_tokens(target, tokens[:, :p_max], zeros, policy.target_taps)
     last = logits[torch.arange(b, device=device), prompt_lengths - 1]
     first = sample(probs_from_logits(last, config.temperature, config.top_p), state.generator)
-    _commit(state, results, [[int(t)] for t in first.tolist()], eos, max_new)
+    commit_tokens(state, results, [[int(t)] for t in first.tolist()], eos, max_new)
     synchronize(device)
     t_first = time.perf_counter()
     for res in results:
@@ -183,7 +177,7 @@ def generate(
             _count_positions(res.accepted_per_position, len(paths[r]))
             res.trace_verify_len.append(nodes_list[r])
             res.trace_confidence.append([round(c, 4) for c in conf_list[r]] if conf_list else [])
-        emitted = _commit(state, results, new_tokens, eos, max_new)
+        emitted = commit_tokens(state, results, new_tokens, eos, max_new)
         # Rows that just finished observe nothing: their drafter state no longer matters.
         accepted = torch.tensor([len(p) for p in paths], device=device) * state.active
         for r in range(b):
@@ -252,7 +246,7 @@ def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes:
     positions = cache_lengths[:, None] + depth
     slots = cache_lengths[:, None] + torch.arange(q, device=device)[None]
     graphed = getattr(target, "graphed", None)
-    kv_len = target.max_seq if graphed is not None else min(round_up(int(cache_lengths.max()) + q, KV_BUCKET), target.max_seq)
+    kv_len = target.max_seq if graphed is not None else round_to_bucket(int(cache_lengths.max()) + q, target.max_seq)
     key = torch.arange(kv_len, device=device)[None, None]
     offset = key - cache_lengths[:, None, None]  # key slot relative to the anchor's slot
     in_tree = ancestors.gather(2, offset.clamp(0, q - 1).expand(b, q, kv_len))
@@ -301,7 +295,7 @@ def _count_positions(per_position: list[int], n: int) -> None:
         per_position[k] += 1
 
 
-def _commit(state: BatchState, results, new_tokens: list[list[int]], eos: set[int], max_new: int) -> list[int]:
+def commit_tokens(state: BatchState, results, new_tokens: list[list[int]], eos: set[int], max_new: int) -> list[int]:
     """Append each row's new tokens, cut at EOS (kept) and at the token budget; returns how many
     tokens each row emitted. A row that hits either stops (becomes inactive)."""
     emitted = []

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from safetensors.torch import load_file, save_file
 
+from specbench import atomic
 from specbench.errors import UserError
 from specbench.engine.model import ModelArgs, Transformer
 
@@ -313,7 +314,7 @@ def _convert_gguf(gguf: Path, dest: Path, extra_eos: list[str]) -> None:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "conversion_s": round(time.time() - t0, 1),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))  # written last
-        _fsync_dir(tmp)
+        atomic.fsync_contents(tmp)  # the rename is atomic; its files must be on disk first
         if dest.exists():  # an outdated cache (CACHE_FORMAT) or a concurrent conversion that won
             if _is_complete(dest):
                 shutil.rmtree(tmp)
@@ -372,13 +373,6 @@ def _remove_stale_tmp(dest: Path) -> None:
             shutil.rmtree(t, ignore_errors=True)
         except PermissionError:
             pass  # alive, someone else's
-
-
-def _fsync_dir(d: Path) -> None:
-    # The rename is atomic; fsync first so a power loss can't leave it pointing at empty files.
-    for f in d.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# Attention over a static cache reads it up to a whole number of buckets rather than to the exact
+# committed length, so a run's forwards see a few repeated shapes (cheap for the allocator, and
+# what CUDA graphs / compiled kernels need). Target, drafters and policies size their caches with it.
+KV_BUCKET = 64
+
+
+def round_to_bucket(slots: int, cap: int | None = None) -> int:
+    """`slots` rounded up to a whole number of KV_BUCKETs, at most `cap`."""
+    rounded = -(-slots // KV_BUCKET) * KV_BUCKET
+    return rounded if cap is None else min(rounded, cap)
+
 
 @dataclass
 class ModelArgs:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from specbench.policies.calibration import nearest_fit
-from specbench.engine.core import KV_BUCKET, round_up
+from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.policies.scheduler import (algorithm1_lengths, best_capacity, capacity_lengths, fixed_lengths,
                                  threshold_lengths)
@@ -80,15 +80,15 @@ class DSpark(Policy):
         self.group_size = group_size  # tests / simulation: independent scheduling groups within a batch
         if draft_gate and step_seconds is None:
             raise ValueError("draft_gate needs a cost profile")
-        self.draft_gate = draft_gate
-        self.skip_rounds = 0  # drafter-free rounds left before the next probe
-        self.backoff = 1  # skipped rounds after the next probe that does not pay (doubles up to MAX_BACKOFF)
+        # The draft gate (module docstring): one object, driven the same way by propose() here and
+        # by the concurrency simulator (specbench/analysis/simulate.py) on replayed confidences.
+        self.gate = DraftGate(self.gamma, step_seconds, self.draft_seconds) if draft_gate else None
         # Raw confidence logits per row per round (before STS), for calibration and traces.
         self.confidence_log: list[list[list[float]]] = []
 
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
-                "sts": self._sts_params(), "draft_gate": self.draft_gate}
+                "sts": self._sts_params(), "draft_gate": self.gate is not None}
 
     def _sts_params(self) -> list | dict:
         rounded = {t: [round(float(x), 3) for x in v] for t, v in self.sts_by_temperature.items()}
@@ -100,19 +100,19 @@ class DSpark(Policy):
 
     def begin(self, state: BatchState, prompt_features: Tensor | None) -> None:
         b, cap = state.tokens.shape
-        self.draft_model.setup_cache(b, round_up(cap + 1, KV_BUCKET))
+        self.draft_model.setup_cache(b, round_to_bucket(cap + 1))
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
         self.confidence_log = [[] for _ in range(b)]
         # The batch's temperature is fixed for its life: pick its STS fit and move it once, not per round.
         self.batch_sts = self.sts_temperatures(state.temperature)[: self.gamma].to(state.tokens.device)
-        self.skip_rounds, self.backoff = 0, 1
+        if self.gate is not None:
+            self.gate.reset()
 
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft | None:
-        if self.skip_rounds > 0:  # the gate: a plain decode step (the core verifies nothing)
-            self.skip_rounds -= 1
+        if self.gate is not None and self.gate.skip():  # a plain decode step (the core verifies nothing)
             return None
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
         tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p, state.generator)
@@ -123,37 +123,15 @@ class DSpark(Policy):
             for r in state.active.nonzero().flatten().tolist():
                 self.confidence_log[r].append(raw[r])
             confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / self.batch_sts)
-            if self.draft_gate:
-                self._update_gate(confidence, state.active)
+            if self.gate is not None:
+                self.gate.update(confidence, state.active)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide.
         return Draft(tokens=tokens, probs=probs if state.temperature > 0 else None, lengths=lengths,
                      confidence=confidence)
 
     def _sps(self, b: int, n: int):
-        """SPS(B) for Algorithm 1 over n scheduled rows of a batch of b: one round = the drafting
-        (paid whatever ℓ is) + a right-padded verify of b rows × (1 + max ℓ) = B / n tokens."""
-        draft_cost = self.draft_seconds(b)
-        return lambda total: 1.0 / (draft_cost + self.step_seconds(b, max(total // n, 1)))
-
-    def _update_gate(self, confidence: Tensor, active_mask: Tensor) -> None:
-        """Decide, from this round's confidences, whether the *next* rounds draft (module docstring)."""
-        active = active_mask.nonzero().flatten()
-        if len(active) == 0:
-            return
-        b, rows = len(active_mask), len(active)
-        conf = confidence[active]
-        lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=conf.device)
-        best = algorithm1_lengths(conf, lengths, self._sps(b, rows), early_stop=False, padded=True)
-        survival = conf.float().clamp(0, 1).cumprod(-1)
-        expected = rows + float((survival * (torch.arange(self.gamma, device=conf.device)[None] < best[:, None])).sum())
-        with_draft = expected / (self.draft_seconds(b) + self.step_seconds(b, 1 + int(best.max())))
-        without = rows / self.step_seconds(b, 1)
-        if with_draft > without:
-            self.backoff = 1
-        else:
-            self.skip_rounds = self.backoff
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+        return rounds_per_second(self.step_seconds, self.draft_seconds, b, n)
 
     def schedule(self, draft: Draft, state: BatchState) -> Tensor:
         if self.group_size:  # schedule consecutive groups of rows as if each were its own batch
@@ -201,3 +179,51 @@ class DSpark(Policy):
         width = int(counts.max()) if len(counts) else 0
         if width:
             self.draft_model.append_context(verify_features[:, :width].to(self.draft_model.dtype), counts=counts)
+
+
+def rounds_per_second(step_seconds, draft_seconds, b: int, n: int):
+    """SPS(B) for Algorithm 1 over n scheduled rows of a batch of b: one round = the drafting
+    (paid whatever ℓ is) + a right-padded verify of b rows × (1 + max ℓ) = B / n tokens."""
+    draft_cost = draft_seconds(b)
+    return lambda total: 1.0 / (draft_cost + step_seconds(b, max(total // n, 1)))
+
+
+class DraftGate:
+    """Whether the next rounds run the drafter at all (module docstring, "Draft gate"). Per round
+    the caller asks `skip()` first; after a drafted round it hands that round's confidences to
+    `update()`, which decides from them (never from the current drafts) whether drafting paid."""
+
+    def __init__(self, gamma: int, step_seconds, draft_seconds):
+        self.gamma, self.step_seconds, self.draft_seconds = gamma, step_seconds, draft_seconds
+        self.reset()
+
+    def reset(self) -> None:
+        self.skip_rounds = 0  # drafter-free rounds left before the next probe
+        self.backoff = 1  # skipped rounds after the next probe that does not pay (doubles up to MAX_BACKOFF)
+
+    def skip(self) -> bool:
+        """True (and one skipped round fewer left) when this round is a plain decode step."""
+        if self.skip_rounds > 0:
+            self.skip_rounds -= 1
+            return True
+        return False
+
+    def update(self, confidence: Tensor, active_mask: Tensor) -> None:
+        """Decide, from this round's confidences, whether the *next* rounds draft."""
+        active = active_mask.nonzero().flatten()
+        if len(active) == 0:
+            return
+        b, rows = len(active_mask), len(active)
+        conf = confidence[active]
+        lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=conf.device)
+        sps = rounds_per_second(self.step_seconds, self.draft_seconds, b, rows)
+        best = algorithm1_lengths(conf, lengths, sps, early_stop=False, padded=True)
+        survival = conf.float().clamp(0, 1).cumprod(-1)
+        expected = rows + float((survival * (torch.arange(self.gamma, device=conf.device)[None] < best[:, None])).sum())
+        with_draft = expected / (self.draft_seconds(b) + self.step_seconds(b, 1 + int(best.max())))
+        without = rows / self.step_seconds(b, 1)
+        if with_draft > without:
+            self.backoff = 1
+        else:
+            self.skip_rounds = self.backoff
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)

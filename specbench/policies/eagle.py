@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specbench.drafters.eagle import KV_BUCKET, EagleHead
+from specbench.drafters.eagle import EagleHead
+from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import probs_from_logits, sample
 
@@ -74,7 +75,7 @@ class Eagle(Policy):
     def begin(self, state: BatchState, prompt_features: Tensor | None) -> None:
         b, cap = state.tokens.shape
         room = cap + max(self.scratch, self.max_draft + 1) + 1  # + the sink slot
-        self.head.setup_cache(b, -(-room // KV_BUCKET) * KV_BUCKET)
+        self.head.setup_cache(b, round_to_bucket(room))
         p = prompt_features.shape[1]
         # Entry t = (f_t, x_{t+1}) for t < prompt length: the last one carries the first sampled token.
         self.head.append_context(prompt_features, state.tokens[:, 1 : p + 1], state.prompt_lengths)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specbench.engine.core import forward_new_tokens, round_up, KV_BUCKET
-from specbench.engine.model import Transformer
+from specbench.engine.core import forward_new_tokens
+from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import probs_from_logits, sample
 
@@ -28,7 +28,7 @@ class FixedK(Policy):
 
     def begin(self, state: BatchState, prompt_features) -> None:
         b, cap = state.tokens.shape
-        self.draft_model.setup_cache(b, round_up(cap + self.k + 2, KV_BUCKET))
+        self.draft_model.setup_cache(b, round_to_bucket(cap + self.k + 2))
         self.synced = torch.zeros(b, dtype=torch.long, device=state.tokens.device)
 
     @torch.inference_mode()

@@ -21,15 +21,13 @@ import importlib.metadata
 import tomllib
 from pathlib import Path
 
+from specbench import resources
 from specbench.errors import UserError
 from specbench.engine.policy import Policy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-POLICY_DIR = REPO_ROOT / "policies"
-
-
 def builtin_specs() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(POLICY_DIR.glob("*.toml"))}
+    """{name: spec} of `policies/*.toml` in the shipped folders (specbench/resources.py)."""
+    return resources.files("policies", "*.toml")
 
 
 def entry_point_builders() -> dict[str, importlib.metadata.EntryPoint]:
@@ -124,9 +122,8 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     measured once and cached) or a path to a profile json from `specbench profile`. draft_gate
     (policies/dspark.py): skip the drafter while it does not pay; default on with the cost-model
     schedulers (algorithm1, capacity), off otherwise."""
-    import json
-
     from specbench.costs import profile as profiles
+    from specbench.costs.schema import read_profile
     from specbench.policies.calibration import load_sts
     from specbench.drafters.checkpoints import resolve_checkpoint
     from specbench.drafters.dspark import load_dspark_drafter
@@ -142,10 +139,7 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
         if profile == "auto":
             data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter)
         else:
-            try:
-                data = json.loads(Path(profile).read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise UserError(f"cannot read cost profile {profile}: {e}") from None
+            data = read_profile(profile)
         step_seconds = profiles.step_time_model(data)
         if "draft" in data:
             draft_seconds = profiles.draft_time_model(data["draft"])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from specbench import atomic
 from specbench.errors import UserError
 
 MAX_SHARD_BYTES = 16 * 2**20
@@ -163,20 +163,6 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_json(obj, path: Path) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def run_training(
     model: nn.Module,
     loss_fn: Callable[[list[int], torch.Generator], tuple[torch.Tensor, dict]],
@@ -234,10 +220,11 @@ def run_training(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         rng = {"torch": torch.get_rng_state(), "loop": gen.get_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        _atomic_torch_save({"model": {k: v.clone() for k, v in trainable_state(model).items()},
-                            "optimizer": opt.state_dict(), "step": step, "history": history, "rng": rng,
-                            "config": cfg.key()}, ckpt_file)
-        _atomic_json(history, out_dir / HISTORY_FILE)
+        with atomic.replacing(ckpt_file) as tmp:
+            torch.save({"model": {k: v.clone() for k, v in trainable_state(model).items()},
+                        "optimizer": opt.state_dict(), "step": step, "history": history, "rng": rng,
+                        "config": cfg.key()}, tmp)
+        atomic.write_json(out_dir / HISTORY_FILE, history)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model.train()
@@ -318,9 +305,8 @@ def save_drafter(out_dir, kind: str, model_args: dict, state_dict: dict[str, tor
     files = []
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tmp = out / f".tmp-{fname}-{os.getpid()}"
-        save_file(shard, str(tmp), metadata={"format": "pt", "kind": kind})
-        os.replace(tmp, out / fname)
+        with atomic.replacing(out / fname) as tmp:
+            save_file(shard, str(tmp), metadata={"format": "pt", "kind": kind})
         files.append(fname)
     for stale in out.glob("*.safetensors"):
         if stale.name not in files:
@@ -337,7 +323,7 @@ def save_drafter(out_dir, kind: str, model_args: dict, state_dict: dict[str, tor
         "dtype": "bfloat16",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _atomic_json(config, out / "drafter.json")
+    atomic.write_json(out / "drafter.json", config)
     return out
 
 
@@ -366,10 +352,9 @@ def plot_loss_curve(history: list[dict], path, title: str = "training loss") -> 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    fig.savefig(tmp, format="png")
+    with atomic.replacing(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 
@@ -406,9 +391,7 @@ def write_training_card(out_dir, *, policy: str, result: TrainResult, target, da
         lines += ["Held-out acceptance (τ) is not measured by training; run the suite on the `code` / `chat`",
                   "workloads with this drafter and add it here.", ""]
     path = out / CARD_FILE
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, path)
+    atomic.write_text(path, "\n".join(lines))
     return path
 
 

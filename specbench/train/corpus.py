@@ -8,7 +8,7 @@ default target's vocabulary has 49 152 entries; a larger vocabulary is refused).
 
 Prompts, per shard (never overlapping an evaluation workload; see specbench/train/data.py)
     * Magpie-style user turns the target writes itself: its chat template's user-turn header
-      after a system turn, sampled at T = 1, top-p 0.95 (`_magpie_prompts`);
+      after a system turn, sampled at T = 1, top-p 0.95 (`magpie_prompts`);
     * the seed topics of `seed_prompts` (code / chat / math requests from templates);
     * every prompt passes `PromptFilter`: degenerate, duplicate, near-duplicate (against every
       earlier prompt of the corpus, earlier shards included) and evaluation-overlap checks.
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,6 +49,7 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
 from specbench.engine.core import SamplingConfig, generate
+from specbench import atomic
 from specbench.bench.envinfo import device_name
 from specbench.errors import UserError
 from specbench.engine.policy import Policy
@@ -61,9 +61,8 @@ from specbench.train.data import (
     ChatFormat,
     EvalOverlap,
     PromptFilter,
-    _atomic_write_text,
-    _derive_seed,
-    _magpie_prompts,
+    derive_seed,
+    magpie_prompts,
     eval_prompt_texts,
     seed_prompts,
 )
@@ -193,7 +192,7 @@ def build_corpus(
             manifest["shards"].append(_shard_summary(path, shard, float("nan"), "unknown", "unknown"))
         k += 1
     manifest["shards"] = manifest["shards"][:k]
-    for stale in out.glob(".tmp-*"):
+    for stale in out.glob(".*.tmp"):  # temp files of a build killed mid-write (atomic.replacing)
         stale.unlink()
 
     dtype = str(model.lm_head.weight.dtype).replace("torch.", "")
@@ -206,9 +205,9 @@ def build_corpus(
     while done_tokens < target_response_tokens and (max_shards is None or written < max_shards):
         t0 = time.time()
         n_magpie = round(shard_prompts * magpie_fraction)
-        prompts, _ = _magpie_prompts(target, fmt, n_magpie, _derive_seed(seed, "corpus", k), batch_size,
+        prompts, _ = magpie_prompts(target, fmt, n_magpie, derive_seed(seed, "corpus", k), batch_size,
                                      magpie_max_tokens, pfilter, progress)
-        for source, text in seed_prompts(8 * (shard_prompts - len(prompts)) + 64, _derive_seed(seed, "seeds", k)):
+        for source, text in seed_prompts(8 * (shard_prompts - len(prompts)) + 64, derive_seed(seed, "seeds", k)):
             if len(prompts) >= shard_prompts:
                 break
             if pfilter.accept(text):
@@ -221,7 +220,7 @@ def build_corpus(
         for j in range(0, len(order), batch_size):
             group = order[j:j + batch_size]
             cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=_derive_seed(seed, "responses", k, j))
+                                 seed=derive_seed(seed, "responses", k, j))
             result = generate(model, Policy(), [prompt_ids[i] for i in group], cfg, eos)
             for i, req in zip(group, result.requests):
                 if len(req.output_ids) >= min_response_tokens:
@@ -238,10 +237,9 @@ def build_corpus(
             "prompt_index": np.asarray(kept, dtype=np.int32),
         }
         path = out / shard_name(k)
-        tmp = out / f".tmp-{path.name}-{os.getpid()}"
-        save_file(arrays, str(tmp), metadata={"format": f"specbench-corpus-{FORMAT}", "build_key": build_key,
-                                              "shard": str(k), "prompts": json.dumps(prompts)})
-        os.replace(tmp, path)
+        with atomic.replacing(path) as tmp:
+            save_file(arrays, str(tmp), metadata={"format": f"specbench-corpus-{FORMAT}", "build_key": build_key,
+                                                  "shard": str(k), "prompts": json.dumps(prompts)})
         shard = _read_shard(path, build_key, k)
         summary = _shard_summary(path, shard, time.time() - t0, dtype, device)
         summary.update({"batch_size": batch_size, "threads": torch.get_num_threads(),
@@ -269,7 +267,7 @@ def _write_manifest(path: Path, manifest: dict) -> None:
         sources.update(s["prompt_sources"])
     manifest["totals"]["prompt_sources"] = dict(sorted(sources.items()))
     manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    _atomic_write_text(path, json.dumps(manifest, indent=1) + "\n")
+    atomic.write_text(path, json.dumps(manifest, indent=1) + "\n")
 
 
 def read_corpus(path) -> tuple[dict, list[dict]]:
@@ -299,7 +297,7 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
     features over the corpus' sequences: one prefill per sequence, one features shard per corpus
     shard (kept when its key — the corpus shard's sha256, taps, target, dtype — still matches, so a
     grown corpus only adds shards). `max_shards` uses the first shards only."""
-    from specbench.train.data import FORMAT as DATA_FORMAT, _feature_pass, _shard_name, _shard_ok, write_feature_shard
+    from specbench.train.data import FORMAT as DATA_FORMAT, feature_pass, feature_shard_name, feature_shard_ok, write_feature_shard
 
     model = target.model
     manifest, shards = read_corpus(corpus_dir)
@@ -324,13 +322,13 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
         offs, plen = shard["seq_offsets"].tolist(), shard["prompt_lengths"].tolist()
         seqs = [shard["token_ids"][offs[s]:offs[s + 1]].astype(np.int64).tolist() for s in range(len(plen))]
         n_loss += sum(len(q) - p for q, p in zip(seqs, plen))
-        path = out / _shard_name(k)
-        if not _shard_ok(path, key):
+        path = out / feature_shard_name(k)
+        if not feature_shard_ok(path, key):
             order = sorted(range(len(seqs)), key=lambda s: (len(seqs[s]), s))
             feats: dict[int, tuple] = {}
             for j in range(0, len(order), batch_size):
                 group = order[j:j + batch_size]
-                for s, f in zip(group, _feature_pass(model, [seqs[s] for s in group], taps)):
+                for s, f in zip(group, feature_pass(model, [seqs[s] for s in group], taps)):
                     feats[s] = f
                 bar.update(sum(len(seqs[s]) for s in group))
             write_feature_shard(
@@ -362,5 +360,5 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
         "build_s": round(time.time() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _atomic_write_text(out / "manifest.json", json.dumps(data_manifest, indent=1))
+    atomic.write_json(out / "manifest.json", data_manifest)
     return out

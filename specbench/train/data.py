@@ -65,7 +65,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import re
 import time
@@ -78,7 +77,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from specbench.engine.core import KV_BUCKET, SamplingConfig, chain_mask, generate, round_up
+from specbench import atomic
+from specbench.engine.core import SamplingConfig, chain_mask, generate
+from specbench.engine.model import round_to_bucket
 from specbench.errors import UserError
 from specbench.engine.policy import Policy
 
@@ -477,17 +478,11 @@ def seed_prompts(n: int, seed: int, weights=(0.45, 0.3, 0.25)) -> list[tuple[str
 # Building
 
 
-def _derive_seed(*parts) -> int:
+def derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, max_tokens: int,
+def magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, max_tokens: int,
                     pfilter: PromptFilter, progress: bool) -> tuple[list[tuple[str, str]], dict]:
     """Up to `n` accepted Magpie user turns (fewer if attempts run out: 4·n + a batch)."""
     stop = list(dict.fromkeys(fmt.user_stop_ids + list(target.eos_token_ids)))
@@ -498,7 +493,7 @@ def _magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int,
     bar = tqdm(total=n, desc="magpie prompts", unit="prompt", disable=not progress or n == 0, leave=False)
     while len(out) < n and attempts < max_attempts:
         rows = [(attempts + r) % len(headers) for r in range(batch_size)]
-        cfg = SamplingConfig(max_new_tokens=max_tokens, seed=_derive_seed(seed, "magpie", rnd), **MAGPIE_SAMPLING)
+        cfg = SamplingConfig(max_new_tokens=max_tokens, seed=derive_seed(seed, "magpie", rnd), **MAGPIE_SAMPLING)
         result = generate(target.model, Policy(), [headers[h] for h in rows], cfg, stop)
         attempts += batch_size
         rnd += 1
@@ -515,11 +510,11 @@ def _magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int,
     return out, stats
 
 
-def _feature_pass(model, seqs: list[list[int]], taps: tuple[int, ...]):
+def feature_pass(model, seqs: list[list[int]], taps: tuple[int, ...]):
     """One prefill of the target over right-padded `seqs`: per sequence (taps, last_hidden) in bf16."""
     b, t = len(seqs), max(len(s) for s in seqs)
     device = model.device
-    kv_len = round_up(t, KV_BUCKET)
+    kv_len = round_to_bucket(t)
     model.setup_cache(b, kv_len)
     tokens = torch.zeros(b, t, dtype=torch.long, device=device)
     for r, s in enumerate(seqs):
@@ -548,18 +543,17 @@ def write_feature_shard(path: Path, ids_l, mask_l, taps_l, hid_l, prompt_index, 
         "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
         "prompt_index": torch.tensor(prompt_index, dtype=torch.int64),
     }
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
-              metadata={"format": f"specbench-traindata-{FORMAT}", "build_key": build_key,
-                        "target_fingerprint": fingerprint})
-    os.replace(tmp, path)
+    with atomic.replacing(path) as tmp:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp),
+                  metadata={"format": f"specbench-traindata-{FORMAT}", "build_key": build_key,
+                            "target_fingerprint": fingerprint})
 
 
-def _shard_name(k: int) -> str:
+def feature_shard_name(k: int) -> str:
     return f"features-{k:05d}.safetensors"
 
 
-def _shard_ok(path: Path, build_key: str) -> bool:
+def feature_shard_ok(path: Path, build_key: str) -> bool:
     if not path.is_file():
         return False
     try:
@@ -623,7 +617,7 @@ def build_training_data(
     manifest_file = out / "manifest.json"
     if manifest_file.is_file() and build_file.is_file():
         return out  # complete and matching
-    _atomic_write_text(build_file, json.dumps({"build_key": build_key, "settings": settings}, indent=2))
+    atomic.write_text(build_file, json.dumps({"build_key": build_key, "settings": settings}, indent=2))
 
     # 1. prompts
     prompts_file = out / "prompts.jsonl"
@@ -641,7 +635,7 @@ def build_training_data(
     else:
         pfilter = PromptFilter(overlap)
         n_magpie = round(n_prompts * magpie_fraction)
-        magpie, magpie_stats = _magpie_prompts(target, fmt, n_magpie, seed, batch_size, magpie_max_tokens,
+        magpie, magpie_stats = magpie_prompts(target, fmt, n_magpie, seed, batch_size, magpie_max_tokens,
                                                pfilter, progress)
         seeds: list[tuple[str, str]] = []
         pool = seed_prompts(4 * (n_prompts - len(magpie)) + 64, seed)
@@ -654,8 +648,8 @@ def build_training_data(
         random.Random(f"order:{seed}").shuffle(chosen)
         records = [{"index": i, "source": s, "text": t} for i, (s, t) in enumerate(chosen)]
         rejected = dict(pfilter.rejected)
-        _atomic_write_text(out / "prompts.meta.json", json.dumps({"magpie": magpie_stats, "rejected": rejected}))
-        _atomic_write_text(prompts_file, "".join(json.dumps(r) + "\n" for r in records))
+        atomic.write_text(out / "prompts.meta.json", json.dumps({"magpie": magpie_stats, "rejected": rejected}))
+        atomic.write_text(prompts_file, "".join(json.dumps(r) + "\n" for r in records))
     bad = [r["index"] for r in records if overlap.overlaps(r["text"])]
     assert not bad, f"training prompts {bad[:5]} overlap an evaluation workload"
     if len(records) < n_prompts:
@@ -664,7 +658,7 @@ def build_training_data(
     # 2. responses + features, shard by shard
     eos = list(target.eos_token_ids)
     n_shards = math.ceil(len(records) / shard_size)
-    done = [k for k in range(n_shards) if _shard_ok(out / _shard_name(k), build_key)]
+    done = [k for k in range(n_shards) if feature_shard_ok(out / feature_shard_name(k), build_key)]
     done_prompts = sum(min(shard_size, len(records) - k * shard_size) for k in done)
     bar = tqdm(total=len(records), initial=done_prompts, desc="responses + features", unit="seq",
                disable=not progress)
@@ -678,29 +672,29 @@ def build_training_data(
         for j in range(0, len(order), batch_size):
             group = order[j:j + batch_size]
             cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=_derive_seed(seed, "responses", k, j))
+                                 seed=derive_seed(seed, "responses", k, j))
             result = generate(model, Policy(), [prompt_ids[i] for i in group], cfg, eos)
             kept = [(i, req.output_ids) for i, req in zip(group, result.requests) if len(req.output_ids) >= min_loss]
             if kept:
                 seqs = [prompt_ids[i] + resp for i, resp in kept]
-                for (i, resp), seq, (tp, hd) in zip(kept, seqs, _feature_pass(model, seqs, taps)):
+                for (i, resp), seq, (tp, hd) in zip(kept, seqs, feature_pass(model, seqs, taps)):
                     ids_l.append(torch.tensor(seq, dtype=torch.int32))
                     mask_l.append(torch.tensor([0] * len(prompt_ids[i]) + [1] * len(resp), dtype=torch.uint8))
                     taps_l.append(tp)
                     hid_l.append(hd)
                     pindex.append(i)
             bar.update(len(group))
-        write_feature_shard(out / _shard_name(k), ids_l, mask_l, taps_l, hid_l, pindex, len(taps) * dim, dim,
+        write_feature_shard(out / feature_shard_name(k), ids_l, mask_l, taps_l, hid_l, pindex, len(taps) * dim, dim,
                             build_key, target.fingerprint)
     bar.close()
 
     # 3. manifest (last: its presence marks the build complete)
     shards, n_seq, n_tok, n_loss = [], 0, 0, 0
     for k in range(n_shards):
-        with safe_open(str(out / _shard_name(k)), "pt") as f:
+        with safe_open(str(out / feature_shard_name(k)), "pt") as f:
             offs = f.get_tensor("seq_offsets")
             lm = f.get_tensor("loss_mask")
-        shards.append({"file": _shard_name(k), "n_sequences": len(offs) - 1, "n_tokens": int(offs[-1]),
+        shards.append({"file": feature_shard_name(k), "n_sequences": len(offs) - 1, "n_tokens": int(offs[-1]),
                        "first_prompt": k * shard_size})
         n_seq += len(offs) - 1
         n_tok += int(offs[-1])
@@ -730,7 +724,7 @@ def build_training_data(
         "build_s": round(time.time() - t0, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _atomic_write_text(manifest_file, json.dumps(manifest, indent=2))
+    atomic.write_text(manifest_file, json.dumps(manifest, indent=2))
     return out
 
 

@@ -1,0 +1,114 @@
+"""The engine's pieces on their own (the end-to-end lossless tests cover them together):
+verify_chain, top-p filtering, KV-bucket sizing, move_cache, and committing tokens to a row."""
+import torch
+
+from specbench.engine.core import RequestResult, commit_tokens
+from specbench.engine.model import KV_BUCKET, round_to_bucket
+from specbench.engine.policy import BatchState
+from specbench.engine.sampling import probs_from_logits, top_p_filter
+from specbench.engine.verify import verify_chain
+from tiny import tiny_model
+
+V = 5
+
+
+def one_hot(tokens):
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
+
+
+# --------------------------------------------------------------------------- verify_chain
+
+
+def test_greedy_chain_accepts_the_matching_prefix_then_corrects():
+    # Target argmax after [anchor, x1, x2, x3] is 1, 2, 4, 0; the drafts are 1, 2, 3.
+    target = one_hot([[1, 2, 4, 0]] * 3)
+    drafts = torch.tensor([[1, 2, 3]] * 3)
+    accepted, nxt = verify_chain(target, drafts, None, torch.tensor([3, 1, 0]), torch.Generator().manual_seed(0))
+    assert accepted.tolist() == [2, 1, 0]  # ragged: a row never accepts past its verify length
+    assert nxt.tolist() == [4, 2, 1]  # the correction at the first mismatch, else the bonus token
+
+
+def test_every_verified_draft_accepted_gives_the_bonus_token():
+    target = one_hot([[1, 2, 3, 0]])
+    accepted, nxt = verify_chain(target, torch.tensor([[1, 2, 3]]), None, torch.tensor([3]), None)
+    assert accepted.tolist() == [3] and nxt.tolist() == [0]
+
+
+def test_sampled_chain_keeps_the_target_distribution_and_accepts_min_p_q():
+    """One draft from q, verified against p: P(accept) = Σ min(p, q) and the emitted token ~ p."""
+    n = 200_000
+    p = torch.tensor([0.5, 0.2, 0.2, 0.05, 0.05])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])
+    g = torch.Generator().manual_seed(1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
+    target = torch.stack([p, torch.full((V,), 1.0 / V)])[None].expand(n, 2, V)
+    accepted, nxt = verify_chain(target, drafts, q[None, None].expand(n, 1, V), torch.ones(n, dtype=torch.long), g)
+    first = torch.where(accepted == 1, drafts[:, 0], nxt)  # the token emitted at position 1
+    assert abs(accepted.float().mean().item() - torch.minimum(p, q).sum().item()) < 0.005
+    freq = torch.bincount(first, minlength=V).float() / n
+    assert torch.allclose(freq, p, atol=0.005), freq
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    assert torch.allclose(top_p_filter(probs, 0.8), torch.tensor([[0.0, 0.625, 0.0, 0.375]]))
+    assert torch.allclose(top_p_filter(probs, 0.81), torch.tensor([[0.0, 0.5, 0.15, 0.3]]) / 0.95)
+    assert torch.allclose(top_p_filter(probs, 0.3), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))  # the top token always stays
+
+
+def test_probs_from_logits_temperature_and_greedy():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    assert probs_from_logits(logits, 0.0).tolist() == [[0.0, 1.0, 0.0]]
+    assert torch.allclose(probs_from_logits(logits, 0.5), torch.softmax(logits / 0.5, -1))
+    assert torch.allclose(probs_from_logits(logits, 1.0, top_p=0.5), torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_round_to_bucket():
+    assert [round_to_bucket(n) for n in (1, KV_BUCKET, KV_BUCKET + 1)] == [KV_BUCKET, KV_BUCKET, 2 * KV_BUCKET]
+    assert round_to_bucket(KV_BUCKET + 1, cap=100) == 100
+
+
+# --------------------------------------------------------------------------- KV cache and commit
+
+
+def test_move_cache_copies_every_layer_and_leaves_other_slots():
+    model = tiny_model(vocab=16, dim=32, layers=2)
+    model.setup_cache(2, 8)
+    caches = [c for layer in model.model.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+    for i, c in enumerate(caches):
+        c.copy_(torch.arange(c.numel(), dtype=c.dtype).reshape(c.shape) + 1000 * i)
+    before = [c.clone() for c in caches]
+    # row 0: a tree path verified at slots 3, 5, 6 commits to slots 3, 4, 5; row 1 moves 7 → 2
+    rows = torch.tensor([[0], [1]])
+    src, dst = torch.tensor([[3, 5, 6], [7, 7, 7]]), torch.tensor([[3, 4, 5], [2, 2, 2]])
+    model.move_cache(rows, src, dst)
+    for c, old in zip(caches, before):
+        assert torch.equal(c[0, :, [3, 4, 5]], old[0, :, [3, 5, 6]])
+        assert torch.equal(c[1, :, 2], old[1, :, 7])
+        untouched = [s for s in range(8) if s not in (3, 4, 5)]
+        assert torch.equal(c[0, :, untouched], old[0, :, untouched])
+        assert torch.equal(c[1, :, [0, 1, 3, 4, 5, 6, 7]], old[1, :, [0, 1, 3, 4, 5, 6, 7]])
+
+
+def _state(lengths, seq=12):
+    b = len(lengths)
+    return BatchState(tokens=torch.zeros(b, seq, dtype=torch.long), lengths=torch.tensor(lengths),
+                      prompt_lengths=torch.tensor(lengths), active=torch.ones(b, dtype=torch.bool),
+                      temperature=0.0, top_p=1.0, generator=torch.Generator(), max_new_tokens=4)
+
+
+def test_commit_appends_cuts_at_eos_and_budget():
+    state = _state([3, 3, 6])  # row 2: prompt of 3, three tokens emitted already
+    results = [RequestResult(output_ids=[], prompt_tokens=3) for _ in range(3)]
+    results[2].output_ids = [7, 7, 7]  # one token of budget left
+    emitted = commit_tokens(state, results, [[5, 6], [5, 9, 6], [8, 8]], eos={9}, max_new=4)
+    assert emitted == [2, 2, 1]
+    assert [r.output_ids for r in results] == [[5, 6], [5, 9], [7, 7, 7, 8]]
+    assert [r.finish_reason for r in results] == ["length", "eos", "length"]
+    assert state.active.tolist() == [True, False, False]  # EOS (kept) and the budget both stop a row
+    assert state.lengths.tolist() == [5, 5, 7]
+    assert state.tokens[0, 3:5].tolist() == [5, 6] and state.tokens[1, 3:5].tolist() == [5, 9]
+    assert state.tokens[2, 6].item() == 8
