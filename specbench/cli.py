@@ -90,6 +90,15 @@ def parse_scalar(raw: str):
     return value
 
 
+def add_dtype_argument(sp) -> None:
+    """`--dtype` for every command that loads a model (specbench/dtypes.py)."""
+    from specbench.dtypes import CHOICES
+
+    sp.add_argument("--dtype", choices=CHOICES, default="auto",
+                    help="target and drafter dtype (default auto: bfloat16 on CUDA; on a CPU the faster of "
+                         "float32 and bfloat16, measured once and cached)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
     sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress}", parser_class=_Parser)
@@ -101,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--top-p", type=_top_p, default=1.0)
         sp.add_argument("--seed", type=_nonneg_int, default=0)
         sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        add_dtype_argument(sp)
         sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
     r = sub.add_parser("run", help="one policy on one workload", description="Run one policy on one workload.")
@@ -166,12 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-new-tokens", type=_positive_int, default=384)
     cal.add_argument("--batch-size", type=_positive_int, default=8)
     cal.add_argument("--device", default="cpu")
+    add_dtype_argument(cal)
     cal.set_defaults(func=cmd_calibrate)
 
     prof = sub.add_parser("profile", help="measure the target's verify cost on this device",
                           description="Measure target forward time vs batch size and verify length; store the cost profile.")
     prof.add_argument("--target", default=DEFAULT_TARGET)
     prof.add_argument("--device", default="cpu")
+    add_dtype_argument(prof)
     prof.add_argument("--context", type=_positive_int, default=256)
     prof.add_argument("--batches", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8, 16])
     prof.add_argument("--qs", type=_list_of(_positive_int, "positive integers"), default=[1, 2, 4, 8])
@@ -186,7 +198,7 @@ def cmd_calibrate(args) -> int:
     from specbench.train.data import TrainingData
 
     device = check_device(args.device)
-    target = load_model(args.target, device=device)
+    target = load_model(args.target, device=device, dtype=args.dtype)
     data = TrainingData(args.data, target)
     result = calibrate(target, args.drafter, data, n_prompts=args.prompts, temperatures=tuple(args.temperatures),
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
@@ -205,7 +217,7 @@ def cmd_profile(args) -> int:
 
     device = check_device(args.device)
     check_writable(Path(args.out), "file")
-    target = load_model(args.target, device=device)
+    target = load_model(args.target, device=device, dtype=args.dtype)
     data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs, engine_costs=True)
     profile.save(data, args.out)
     for e in data["entries"]:
@@ -319,11 +331,11 @@ def _slug(name: str) -> str:
 # Commands
 
 
-def _load_target_and_engines(target_spec, device, policies_with_overrides):
+def _load_target_and_engines(target_spec, device, dtype, policies_with_overrides):
     from specbench.loading import load_model
     from specbench.runner import make_engine
 
-    target = load_model(target_spec, device=device)
+    target = load_model(target_spec, device=device, dtype=dtype)
     engines = [make_engine(name, target, ov) for name, ov in policies_with_overrides]
     return target, engines
 
@@ -350,7 +362,7 @@ def cmd_run(args) -> int:
 
     from specbench.envinfo import environment
 
-    target, engines = _load_target_and_engines(args.target, device, [(args.policy, overrides)])
+    target, engines = _load_target_and_engines(args.target, device, args.dtype, [(args.policy, overrides)])
     result = run_sweep(
         target, engines, [workload], out, batch_sizes=[args.batch_size], temperatures=[args.temperature],
         repeats=1, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
@@ -379,7 +391,8 @@ def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, t
     thr = f"{sum(t for t, _ in batches.values()) / wall:.1f} tok/s" if wall > 0 else "n/a"
     resumed = f" ({result.skipped} already in the file)" if result.skipped else ""
     return "\n".join([
-        f"specbench run: {policy} on {workload}, batch size {batch_size}, temperature {temperature:g}",
+        f"specbench run: {policy} on {workload}, batch size {batch_size}, temperature {temperature:g}"
+        + (f", {recs[0]['dtype']}" if recs and recs[0].get("dtype") else ""),
         f"  requests      {len(recs)}{resumed}",
         f"  tau (mean)    {tau}",
         f"  acceptance    {acc}",
@@ -395,6 +408,7 @@ def sweep_settings(args, policy_names, workloads, device) -> dict:
         "workloads": list(args.workloads), "batch_sizes": list(args.batch_sizes), "repeats": args.repeats,
         "temperatures": [float(t) for t in args.temperatures], "top_p": args.top_p, "seed": args.seed,
         "limit": args.limit, "max_new_tokens": args.max_new_tokens, "target": args.target, "device": device,
+        "dtype": args.dtype,
     }
 
 
@@ -429,6 +443,7 @@ def cmd_sweep(args) -> int:
             old = json.loads(settings_file.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{settings_file}: unreadable sweep settings ({e})") from None
+        old.setdefault("dtype", "float32")  # sweeps from before --dtype ran in fp32
         if old != settings:
             raise UserError(f"{out} holds a sweep with different settings ({_settings_diff(old, settings)}); "
                             "use another --out or the same settings to resume")
@@ -440,7 +455,7 @@ def cmd_sweep(args) -> int:
     from specbench.envinfo import environment
 
     if args.executor == "local":
-        target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
+        target, engines = _load_target_and_engines(args.target, device, args.dtype, [(p, {}) for p in args.policies])
     if not settings_file.exists():
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{SWEEP_SETTINGS}.tmp"
@@ -453,7 +468,7 @@ def cmd_sweep(args) -> int:
         from specbench.loading import load_model
 
         result = ray_executor.run_sweep_ray(
-            partial(load_model, args.target, device=device), f"{args.target}|{device}", [(p, {}) for p in args.policies],
+            partial(load_model, args.target, device=device, dtype=args.dtype), f"{args.target}|{device}|{args.dtype}", [(p, {}) for p in args.policies],
             workloads, records_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
             repeats=args.repeats, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
             env_fn=environment, address=args.ray_address, progress=not args.no_progress,
