@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=_nonneg_int, default=0)
         sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
         add_dtype_argument(sp)
+        sp.add_argument("--no-cuda-graphs", action="store_true",
+                        help="on CUDA, run the target's forwards eagerly (default: CUDA graphs per decode/verify shape)")
         sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
     r = sub.add_parser("run", help="one policy on one workload", description="Run one policy on one workload.")
@@ -331,11 +333,15 @@ def _slug(name: str) -> str:
 # Commands
 
 
-def _load_target_and_engines(target_spec, device, dtype, policies_with_overrides):
+def _load_target_and_engines(target_spec, device, dtype, policies_with_overrides, cuda_graphs=True):
     from specbench.loading import load_model
     from specbench.runner import make_engine
 
     target = load_model(target_spec, device=device, dtype=dtype)
+    if cuda_graphs and target.model.device.type == "cuda":
+        from specbench.cuda_graphs import enable_cuda_graphs
+
+        enable_cuda_graphs(target.model)
     engines = [make_engine(name, target, ov) for name, ov in policies_with_overrides]
     return target, engines
 
@@ -362,7 +368,8 @@ def cmd_run(args) -> int:
 
     from specbench.envinfo import environment
 
-    target, engines = _load_target_and_engines(args.target, device, args.dtype, [(args.policy, overrides)])
+    target, engines = _load_target_and_engines(args.target, device, args.dtype, [(args.policy, overrides)],
+                                               cuda_graphs=not args.no_cuda_graphs)
     result = run_sweep(
         target, engines, [workload], out, batch_sizes=[args.batch_size], temperatures=[args.temperature],
         repeats=1, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
@@ -408,7 +415,7 @@ def sweep_settings(args, policy_names, workloads, device) -> dict:
         "workloads": list(args.workloads), "batch_sizes": list(args.batch_sizes), "repeats": args.repeats,
         "temperatures": [float(t) for t in args.temperatures], "top_p": args.top_p, "seed": args.seed,
         "limit": args.limit, "max_new_tokens": args.max_new_tokens, "target": args.target, "device": device,
-        "dtype": args.dtype,
+        "dtype": args.dtype, **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
     }
 
 
@@ -455,7 +462,8 @@ def cmd_sweep(args) -> int:
     from specbench.envinfo import environment
 
     if args.executor == "local":
-        target, engines = _load_target_and_engines(args.target, device, args.dtype, [(p, {}) for p in args.policies])
+        target, engines = _load_target_and_engines(args.target, device, args.dtype, [(p, {}) for p in args.policies],
+                                                   cuda_graphs=not args.no_cuda_graphs)
     if not settings_file.exists():
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{SWEEP_SETTINGS}.tmp"

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from specbench.core import BatchResult, SamplingConfig, generate
+from specbench.cuda_graphs import uses_cuda_graphs
 from specbench.errors import UserError
 from specbench.workloads import Workload, render_prompt
 
@@ -159,7 +160,7 @@ def _trace(res) -> dict:
 def make_record(res, *, key: str, engine: Engine, workload: Workload, request, turn: int, batch_size: int,
                 batch_rows: int, batch_id: str, batch: BatchResult, temperature: float, top_p: float, seed: int,
                 batch_seed: int, repeat: int, max_new_tokens: int, target_name: str, device: str,
-                env: dict | None, dtype: str | None = None) -> dict:
+                env: dict | None, dtype: str | None = None, cuda_graphs: bool = False) -> dict:
     """One results record (docs/records.md) from a core or baseline RequestResult."""
     rec = {
         "key": key,
@@ -182,6 +183,7 @@ def make_record(res, *, key: str, engine: Engine, workload: Workload, request, t
         "drafter": engine.drafter,
         "device": device,
         "dtype": dtype,
+        "cuda_graphs": cuda_graphs,
         "prompt_tokens": res.prompt_tokens,
         "generated_tokens": res.generated_tokens,
         "output_ids": list(res.output_ids),
@@ -416,7 +418,7 @@ def iter_group(ctx: _Ctx, engines: list[Engine], workload: Workload, batch_size:
                             batch_rows=len(rows), batch_id=batch_id, batch=result, temperature=temperature,
                             top_p=ctx.top_p, seed=ctx.seed, batch_seed=batch_seed, repeat=repeat,
                             max_new_tokens=max_new, target_name=ctx.target.name, device=ctx.device, env=ctx.env,
-                            dtype=ctx.dtype,
+                            dtype=ctx.dtype, cuda_graphs=uses_cuda_graphs(getattr(ctx.target, "model", None)),
                         )
                 for r, out in zip(rows, outputs):
                     if turn + 1 < len(r.turns):
