@@ -3,14 +3,16 @@ docs/performance.md and results/perf/).
 
 Measures, for one model shape on one device:
   * the AR step (q = 1) and the verify step (q = 8 and others) at chosen batch sizes and context;
-  * on CUDA: with CUDA graphs (the core's graphed path), the HBM floor = weight bytes / measured
-    device-to-device copy bandwidth, and the fraction of that roofline reached;
+  * on CUDA: with CUDA graphs (the core's graphed path);
+  * beside every step time its memory floor = (weight bytes + the rows' cached K/V) / bandwidth
+    measured in the same run (specbench/profile.py streaming_bandwidth: a device copy on CUDA, a
+    sum over 1 GiB on a CPU), and the fraction of that floor reached;
   * the verify-cost ratio T(q)/T(1) with the folded-GQA attention and with the plain path
     (KV repeated per query head), plus the max relative difference between their outputs;
   * transformers.generate on the same weights at b = 1 (tokens/s), for the "×HF" comparison.
 
 Usage:
-  python benchmarks/step_bench.py --shape smollm2-135m --real-weights --device cpu --out results/perf/cpu.json
+  python benchmarks/step_bench.py --shape smollm2-135m --real-weights --device cpu --dtype auto --out results/perf/cpu.json
   python benchmarks/step_bench.py --shape llama-8b --device cuda --dtype bfloat16 --batches 1,256 --out results/perf/h200.json
   python benchmarks/step_bench.py --shape tiny --device cpu   # seconds: checks the script itself
 """
@@ -31,7 +33,8 @@ import specbench.engine.model as model_module  # noqa: E402
 from specbench.engine.core import synchronize  # noqa: E402
 from specbench.engine.cuda_graphs import enable_cuda_graphs  # noqa: E402
 from specbench.engine.model import ModelArgs, Transformer  # noqa: E402
-from specbench.costs.profile import time_forward  # noqa: E402
+from specbench.engine.dtypes import DTYPES, cast_model, dtype_name, measure_cpu_dtypes  # noqa: E402
+from specbench.costs.profile import floor_ms, streaming_bandwidth, time_forward, weight_bytes  # noqa: E402
 
 SHAPES = {
     # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
@@ -59,30 +62,6 @@ def random_model(shape: str, device: str, dtype: torch.dtype) -> Transformer:
                 p.normal_(0.0, 0.02)
     model.inv_freq = model_module.rope_inv_freq(args).to(device)
     return model.eval().requires_grad_(False)
-
-
-def copy_bandwidth(device: str, n_bytes: int = 2 * 2**30, iters: int = 10) -> float:
-    """Device memory bandwidth in bytes/s from a large on-device copy (read + write)."""
-    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(iters + 2):
-        synchronize(torch.device(device))
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(torch.device(device))
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return 2 * n_bytes / statistics.median(times)
-
-
-def weight_bytes(model: Transformer) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
 
 
 def hf_generate_tokens_per_s(model: Transformer, device: str, dtype, new_tokens: int, context: int) -> float:
@@ -149,7 +128,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--real-weights", action="store_true", help="smollm2-135m: load the real default model")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=["auto", *DTYPES],
+                    help="auto: bfloat16 on CUDA, on a CPU the faster of float32 / bfloat16 measured now")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--qs", default="1,2,4,8")
     ap.add_argument("--context", type=int, default=256)
@@ -159,15 +139,22 @@ def main() -> None:
     ap.add_argument("--hf-tokens", type=int, default=0, help="also time transformers.generate for this many tokens at b=1")
     ap.add_argument("--out")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-
+    auto = args.dtype == "auto"
+    dtype = torch.float32 if auto else DTYPES[args.dtype]
+    if auto and args.device.startswith("cuda"):
+        dtype, auto = torch.bfloat16, False
     if args.real_weights:
         from specbench.engine.loading import load_model
 
         model = load_model("smollm2-135m", device=args.device, dtype=dtype).model
     else:
         model = random_model(args.shape, args.device, dtype)
+    dtype_choice = None
+    if auto:  # the same measurement `--dtype auto` makes for the suite's commands (specbench/dtypes.py)
+        dtype_choice = measure_cpu_dtypes(model)
+        dtype = DTYPES[dtype_choice["chosen"]]
+        cast_model(model, dtype)
     cuda = args.device.startswith("cuda")
     if cuda and not args.no_graphs:
         enable_cuda_graphs(model)
@@ -175,12 +162,16 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     qs = [int(x) for x in args.qs.split(",")]
     result = {
-        "shape": args.shape, "real_weights": args.real_weights, "device": args.device, "dtype": args.dtype,
+        "shape": args.shape, "real_weights": args.real_weights, "device": args.device, "dtype": dtype_name(dtype),
+        "dtype_choice": dtype_choice,
         "context": args.context, "cuda_graphs": cuda and not args.no_graphs,
         "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "weight_bytes": weight_bytes(model), "steps": [],
     }
+    bandwidth = streaming_bandwidth(args.device)
+    result.update(bandwidth_gb_s=bandwidth / 1e9,
+                  bandwidth_method="copy (read + write)" if cuda else "sum over 1 GiB (read)")
     for fold in ([True, False] if args.plain_too else [True]):
         model_module.FOLD_GQA_HEADS = fold
         if cuda and not args.no_graphs:
@@ -189,16 +180,18 @@ def main() -> None:
             for q in qs:
                 times = time_forward(model, b, q, args.context, iters=args.iters)
                 ms = 1e3 * statistics.median(times)
+                floor = floor_ms(model, b, args.context, bandwidth)
                 result["steps"].append({"attention": "folded" if fold else "plain", "batch": b, "q": q,
-                                        "median_ms": ms, "min_ms": 1e3 * min(times), "n": len(times)})
-                print(f"{'folded' if fold else 'plain ':6} b={b:<4} q={q:<3} {ms:9.2f} ms", flush=True)
+                                        "median_ms": ms, "min_ms": 1e3 * min(times), "n": len(times),
+                                        "floor_ms": floor, "floor_fraction": floor / ms,
+                                        "floor_fraction_best": floor / (1e3 * min(times))})
+                print(f"{'folded' if fold else 'plain ':6} b={b:<4} q={q:<3} {ms:9.2f} ms (min {1e3 * min(times):.2f})"
+                      f"   floor {floor:7.2f} ms: {100 * floor / ms:5.1f}% of it", flush=True)
     model_module.FOLD_GQA_HEADS = True
     result["fold_max_rel_diff"] = fold_exactness(model, batches[-1], max(qs), args.context)
-    if cuda:
-        bw = copy_bandwidth(args.device)
-        floor_ms = 1e3 * result["weight_bytes"] / bw
-        ar = next(s for s in result["steps"] if s["batch"] == 1 and s["q"] == 1 and s["attention"] == "folded")
-        result.update(copy_bandwidth_gb_s=bw / 1e9, hbm_floor_ms=floor_ms, roofline_fraction_b1=floor_ms / ar["median_ms"])
+    ar = next((s for s in result["steps"] if s["batch"] == 1 and s["q"] == 1 and s["attention"] == "folded"), None)
+    if ar is not None:
+        result.update(floor_ms_b1=ar["floor_ms"], roofline_fraction_b1=ar["floor_fraction"])
     if args.hf_tokens:
         ours_tps = core_generate_tokens_per_s(model, args.hf_tokens, args.context)
         model.graphed = None

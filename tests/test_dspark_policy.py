@@ -1,7 +1,8 @@
 """The DSpark policy end to end on tiny models: greedy identity for every scheduler at batch sizes
 1, 4 and 16; the whole policy (drafting + STS-calibrated confidence + Algorithm 1) is
 distribution-identical to the target at T = 1 for scheduling batches of 1 and 4 (χ²); and the
-load-aware scheduler verifies less per request as the batch grows."""
+load-aware scheduler verifies less per request as the batch grows. Greedy identity and χ² also in
+bf16 (target and drafter in bf16; probabilities and verification stay fp32)."""
 from __future__ import annotations
 
 
@@ -31,8 +32,14 @@ def target():
     return tiny_model(vocab=VOCAB, seed=0, scale=4.0)
 
 
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-def test_greedy_identity_every_scheduler(target, batch_size):
+@pytest.fixture(scope="module")
+def target_bf16():
+    return tiny_model(vocab=VOCAB, seed=0, scale=4.0, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("batch_size,dtype", [(1, "fp32"), (4, "fp32"), (16, "fp32"), (4, "bf16")])
+def test_greedy_identity_every_scheduler(request, batch_size, dtype):
+    target = request.getfixturevalue("target" if dtype == "fp32" else "target_bf16")
     prompts = random_prompts(16, VOCAB, seed=7)
     config = SamplingConfig(max_new_tokens=32)
     reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
@@ -70,6 +77,13 @@ def small():
 @pytest.mark.parametrize("group_size", [1, 4])
 def test_whole_policy_sampling_matches_target(small, group_size):
     _whole_policy_chi_square(*small, group_size)
+
+
+def test_whole_policy_sampling_matches_target_bf16():
+    target = tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0, dtype=torch.bfloat16)
+    drafter = make_drafter(target, seed=1, block_size=3, std=0.3)
+    assert drafter.dtype == torch.bfloat16
+    _whole_policy_chi_square(target, drafter, 4)
 
 
 def test_reduced_draft_vocabulary_sampling_matches_target(small):

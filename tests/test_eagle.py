@@ -36,8 +36,11 @@ def _threads():
 
 
 def random_head(target_model, taps, seed=0, std=0.3):
+    """Drawn in fp32 (the same head whatever the target's dtype), then in the target's dtype."""
     head = build_head(EagleArgs.for_target(target_model.args, taps), target_model, dtype=torch.float32)
     head.init_weights(torch.Generator().manual_seed(seed), std=std)
+    head = head.to(target_model.lm_head.weight.dtype)
+    head.inv_freq = head.inv_freq.float()  # rope frequencies stay fp32 (specbench/dtypes.py cast_model)
     return head.eval().requires_grad_(False)
 
 
@@ -211,6 +214,20 @@ def test_greedy_identity(target, trained, batch_size):
                 assert sum(r.accepted for r in out) > 0
 
 
+def test_greedy_identity_bf16(target):
+    """bf16 target and head (random head: a trained one is covered in fp32 above)."""
+    from specbench.engine.dtypes import cast_model
+
+    model = cast_model(tiny_model(vocab=VOCAB, seed=0, layers=3, scale=4.0), torch.bfloat16)
+    prompts = random_prompts(8, VOCAB, seed=5)
+    config = SamplingConfig(max_new_tokens=24)
+    reference = [generate(model, Policy(), [p], config).requests[0].output_ids for p in prompts]
+    head = random_head(model, TAPS)
+    assert head.dtype == torch.bfloat16
+    for policy in (Eagle(head, "tree", depth=4, top_k=3, total_tokens=12), Eagle(head, "chain", depth=4)):
+        assert [r.output_ids for r in decode_in_batches(model, policy, prompts, 4, config)] == reference, policy.params()
+
+
 def test_greedy_eos_and_ragged_budget(target, trained):
     model = target.model
     prompts = random_prompts(12, VOCAB, seed=9)
@@ -248,6 +265,16 @@ def test_tree_sampling_matches_target(small):
     assert 0 < accepted < sum(r.drafted for r in result.requests)
     pvalue, tv = chi_square(exact, counts)
     assert pvalue > 1e-3, f"eagle tree output differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+def test_tree_sampling_matches_target_bf16():
+    model = tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0, dtype=torch.bfloat16)
+    head = random_head(model, [0, 1], seed=3, std=0.5)
+    exact = exact_joint(model, [1, 3, 2], N_TOKENS, 1.0, 1.0)
+    counts, result = sampled_counts(model, Eagle(head, "tree", depth=3, top_k=2, total_tokens=5), [1, 3, 2], 1.0, 1.0)
+    assert 0 < sum(r.accepted for r in result.requests) < sum(r.drafted for r in result.requests)
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue > 1e-3, f"bf16 eagle tree output differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 3])

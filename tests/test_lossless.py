@@ -4,8 +4,13 @@ Greedy: token-identical to AR at batch sizes 1, 4, 16 (tiny random models; the d
 covered in test_default_model.py). Sampled: the joint distribution of the first generated tokens
 matches the target's exact distribution (enumerated) in a χ² test over many samples, and the same
 test rejects a verifier without residual resampling, so it has power.
+
+Both in fp32 and in bf16 (target and drafters in bf16, probabilities and verification in fp32:
+specbench/dtypes.py); bf16 runs a representative subset to keep the suite's time.
 """
 from __future__ import annotations
+
+from functools import cache
 
 import pytest
 import torch
@@ -20,11 +25,17 @@ from helpers import N_TOKENS, SMALL_VOCAB, chi_square, decode_in_batches, exact_
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64
+FP32, BF16 = torch.float32, torch.bfloat16
+
+
+@cache
+def target_in(dtype: torch.dtype):
+    return tiny_model(vocab=VOCAB, seed=0, scale=4.0, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_model(vocab=VOCAB, seed=0, scale=4.0)
+    return target_in(FP32)
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +46,18 @@ def prompts():
 
 
 def policies(target):
+    dtype = target.lm_head.weight.dtype
     return {
         "pld": PromptLookup(k=4, max_ngram=3),
-        "fixed-k(random draft)": FixedK(tiny_model(vocab=VOCAB, seed=1, layers=1, scale=4.0), k=4),
+        "fixed-k(random draft)": FixedK(tiny_model(vocab=VOCAB, seed=1, layers=1, scale=4.0, dtype=dtype), k=4),
         "fixed-k(self draft)": FixedK(target, k=3),
     }
 
 
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-def test_greedy_identity_tiny(target, prompts, batch_size):
+@pytest.mark.parametrize("batch_size,dtype", [(1, FP32), (4, FP32), (16, FP32), (1, BF16), (16, BF16)],
+                         ids=["b1-fp32", "b4-fp32", "b16-fp32", "b1-bf16", "b16-bf16"])
+def test_greedy_identity_tiny(prompts, batch_size, dtype):
+    target = target_in(dtype)
     config = SamplingConfig(max_new_tokens=40, temperature=0.0)
     reference = [r.output_ids for r in decode_in_batches(target, Policy(), prompts, 1, config)]
     for name, policy in policies(target).items():
@@ -56,8 +70,10 @@ def test_greedy_identity_tiny(target, prompts, batch_size):
             assert sum(r.accepted for r in got) > 0
 
 
-def test_greedy_eos_and_budget(target, prompts):
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_greedy_eos_and_budget(prompts, dtype):
     """EOS ends a row (kept as its last token) mid-round; rows stop independently; the budget holds."""
+    target = target_in(dtype)
     config = SamplingConfig(max_new_tokens=30)
     ar = decode_in_batches(target, Policy(), prompts, 1, config)
     eos = ar[0].output_ids[7]  # a token AR emits: some rows will stop on it mid-draft
@@ -74,16 +90,24 @@ def test_greedy_eos_and_budget(target, prompts):
 # ---------- sampled losslessness ----------
 
 
-@pytest.fixture(scope="module")
-def small_models():
-    target = tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0)
-    draft = tiny_model(vocab=SMALL_VOCAB, seed=11, layers=1, scale=2.0)
+@cache
+def small_models_in(dtype: torch.dtype):
+    target = tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0, dtype=dtype)
+    draft = tiny_model(vocab=SMALL_VOCAB, seed=11, layers=1, scale=2.0, dtype=dtype)
     return target, draft
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
-def test_fixed_k_sampling_matches_target(small_models, temperature, top_p):
-    target, draft = small_models
+@pytest.fixture(scope="module")
+def small_models():
+    return small_models_in(FP32)
+
+
+@pytest.mark.parametrize("temperature,top_p,dtype", [(1.0, 1.0, FP32), (0.8, 0.9, FP32), (1.0, 1.0, BF16)],
+                         ids=["T1-fp32", "T0.8-p0.9-fp32", "T1-bf16"])
+def test_fixed_k_sampling_matches_target(temperature, top_p, dtype):
+    """In bf16 the exact joint is enumerated with the bf16 target's own forward: lossless means
+    distributed as the model that runs, whatever its precision."""
+    target, draft = small_models_in(dtype)
     prompt = [1, 3, 2]
     exact = exact_joint(target, prompt, N_TOKENS, temperature, top_p)
     counts, result = sampled_counts(target, FixedK(draft, k=3), prompt, temperature, top_p)
@@ -94,8 +118,9 @@ def test_fixed_k_sampling_matches_target(small_models, temperature, top_p):
     assert pvalue > 1e-3, f"fixed-k output distribution differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
 
 
-def test_prompt_lookup_sampling_matches_target(small_models):
-    target, _ = small_models
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_prompt_lookup_sampling_matches_target(dtype):
+    target, _ = small_models_in(dtype)
     prompt = [1, 2, 1, 2, 1]
     exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
     counts, result = sampled_counts(target, PromptLookup(k=3), prompt, 1.0, 1.0)

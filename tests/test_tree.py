@@ -1,5 +1,5 @@
 """Tree verification in the core: greedy identity and sampled losslessness (χ²), with a broken
-tree verifier as the negative control."""
+tree verifier as the negative control; greedy identity and χ² also in bf16."""
 from __future__ import annotations
 
 import pytest
@@ -24,13 +24,14 @@ def test_tree_layout():
     assert depth.tolist() == [[0, 1, 1, 1, 1, 1]]
 
 
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
-def test_tree_greedy_identity(batch_size):
-    target = tiny_model(vocab=VOCAB, seed=0, scale=4.0)
+@pytest.mark.parametrize("batch_size,dtype", [(1, torch.float32), (4, torch.float32), (16, torch.float32),
+                                              (4, torch.bfloat16)], ids=["b1-fp32", "b4-fp32", "b16-fp32", "b4-bf16"])
+def test_tree_greedy_identity(batch_size, dtype):
+    target = tiny_model(vocab=VOCAB, seed=0, scale=4.0, dtype=dtype)
     prompts = random_prompts(16, VOCAB, seed=5)
     config = SamplingConfig(max_new_tokens=24)
     reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
-    for drafter, name in ((target, "self"), (tiny_model(vocab=VOCAB, seed=2, layers=1, scale=4.0), "random")):
+    for drafter, name in ((target, "self"), (tiny_model(vocab=VOCAB, seed=2, layers=1, scale=4.0, dtype=dtype), "random")):
         policy = TreeDraft(drafter, branching=(2, 2))
         out = []
         for i in range(0, 16, batch_size):
@@ -45,9 +46,16 @@ def small():
     return tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0), tiny_model(vocab=SMALL_VOCAB, seed=11, layers=1, scale=2.0)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["topk-children", "iid-children"])
-def test_tree_sampling_matches_target(small, sampled):
-    target, draft = small
+@pytest.mark.parametrize("sampled,dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+                         ids=["topk-children", "iid-children", "iid-children-bf16"])
+def test_tree_sampling_matches_target(small, sampled, dtype):
+    from helpers import SMALL_VOCAB
+
+    if dtype == torch.float32:
+        target, draft = small
+    else:
+        target = tiny_model(vocab=SMALL_VOCAB, seed=10, scale=2.0, dtype=dtype)
+        draft = tiny_model(vocab=SMALL_VOCAB, seed=11, layers=1, scale=2.0, dtype=dtype)
     prompt = [1, 3, 2]
     exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
     counts, result = sampled_counts(target, TreeDraft(draft, branching=(2, 1), sampled=sampled), prompt, 1.0, 1.0)

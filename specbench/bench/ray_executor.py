@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from specbench.errors import UserError
 from specbench.bench.runner import (ProgressBars, SweepResult, check_compatible, make_engine, plan_size, read_records, record_key,
-                              run_cell, RecordWriter)
+                              run_cell, target_dtype, RecordWriter)
 
 
 def import_ray():
@@ -68,7 +68,8 @@ def _describe(target_key, load_target, engine_factory, policies) -> dict:
     out = {}
     for policy, overrides in policies:
         target, engine = _worker_engine(target_key, load_target, engine_factory, policy, overrides)
-        out[policy] = {"target": target.name, "name": engine.name, "params": engine.params(), "drafter": engine.drafter}
+        out[policy] = {"target": target.name, "name": engine.name, "params": engine.params(), "drafter": engine.drafter,
+                       "dtype": target_dtype(target)}
     return out
 
 
@@ -126,7 +127,7 @@ def run_sweep_ray(load_target: Callable, target_key: str, policies: Sequence[tup
     target_name = next(iter(info.values()))["target"]
     stand_ins = [SimpleNamespace(name=i["name"], params=lambda i=i: i["params"], drafter=i["drafter"]) for i in info.values()]
     check_compatible(existing, stand_ins, workloads, target=target_name, max_new_tokens=max_new_tokens, top_p=top_p,
-                     device=device, path=out_path)
+                     device=device, path=out_path, dtype=next(iter(info.values()))["dtype"])
     done = {r["key"]: r.get("output_ids") or [] for r in existing}
 
     result = SweepResult(path=out_path)

@@ -65,13 +65,14 @@ from specbench import atomic
 from specbench.bench import baselines
 from specbench.bench.engines import Engine, PolicyEngine
 from specbench.engine.core import BatchResult, SamplingConfig
+from specbench.engine.cuda_graphs import uses_cuda_graphs
 from specbench.errors import UserError
 from specbench.bench.workloads import Workload, render_prompt
 
 WARMUP_TOKENS = 4
 
 # Fields that must agree between existing records and a new run of the same (policy, workload).
-_CONSISTENT = ("target", "max_new_tokens", "top_p", "policy_params", "drafter", "device")
+_CONSISTENT = ("target", "max_new_tokens", "top_p", "policy_params", "drafter", "device", "dtype")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def _trace(res) -> dict:
 def make_record(res, *, key: str, engine: Engine, workload: Workload, request, turn: int, batch_size: int,
                 batch_rows: int, batch_id: str, batch: BatchResult, temperature: float, top_p: float, seed: int,
                 batch_seed: int, repeat: int, max_new_tokens: int, target_name: str, device: str,
-                env: dict | None) -> dict:
+                env: dict | None, dtype: str | None = None, cuda_graphs: bool = False) -> dict:
     """One results record (docs/records.md) from a core or baseline RequestResult."""
     rec = {
         "key": key,
@@ -152,6 +153,8 @@ def make_record(res, *, key: str, engine: Engine, workload: Workload, request, t
         "target": target_name,
         "drafter": engine.drafter,
         "device": device,
+        "dtype": dtype,
+        "cuda_graphs": cuda_graphs,
         "prompt_tokens": res.prompt_tokens,
         "generated_tokens": res.generated_tokens,
         "output_ids": list(res.output_ids),
@@ -275,6 +278,10 @@ class _Ctx:
     warmed: set = field(default_factory=set)
     on_decode: Callable | None = None  # test hook: called (engine name, batch_index, turn, warmup)
 
+    @property
+    def dtype(self) -> str | None:
+        return target_dtype(self.target)
+
 
 def _batches(workload: Workload, batch_size: int) -> list[list]:
     reqs = workload.requests
@@ -353,6 +360,7 @@ def iter_group(ctx: _Ctx, engines: list[Engine], workload: Workload, batch_size:
                             batch_rows=len(rows), batch_id=batch_id, batch=result, temperature=temperature,
                             top_p=ctx.top_p, seed=ctx.seed, batch_seed=batch_seed, repeat=repeat,
                             max_new_tokens=max_new, target_name=ctx.target.name, device=ctx.device, env=ctx.env,
+                            dtype=ctx.dtype, cuda_graphs=uses_cuda_graphs(getattr(ctx.target, "model", None)),
                         )
                 for r, out in zip(rows, outputs):
                     if turn + 1 < len(r.turns):
@@ -373,24 +381,37 @@ def run_cell(target, engine: Engine, workload: Workload, batch_size: int, temper
             yield rec
 
 
+def target_dtype(target) -> str | None:
+    """The dtype a target's model runs in ("bfloat16", ...), None for a stub without weights."""
+    from specbench.engine.dtypes import dtype_name
+
+    weight = getattr(getattr(getattr(target, "model", None), "lm_head", None), "weight", None)
+    return dtype_name(weight.dtype) if weight is not None else None
+
+
 def check_compatible(existing: Iterable[dict], engines: list[Engine], workloads: list[Workload], *, target: str,
-                     max_new_tokens: int | None, top_p: float, device: str, path) -> None:
-    """Refuse to mix records of different settings under the same keys."""
+                     max_new_tokens: int | None, top_p: float, device: str, path, dtype: str | None = None) -> None:
+    """Refuse to mix records of different settings under the same keys (records written before
+    `dtype` was recorded were fp32, the only dtype then)."""
     want = {}
     for e in engines:
         for w in workloads:
             want[(e.name, w.name)] = {
                 "target": target, "max_new_tokens": max_new_tokens or w.max_new_tokens, "top_p": float(top_p),
-                "policy_params": _finite(e.params()), "drafter": e.drafter, "device": device,
+                "policy_params": _finite(e.params()), "drafter": e.drafter, "device": device, "dtype": dtype,
             }
     for rec in existing:
         exp = want.get((rec.get("policy"), rec.get("workload")))
         if exp is None:
             continue
         for f in _CONSISTENT:
-            if f in rec and rec[f] != exp[f]:
+            if f == "dtype":  # not compared against a stub target (None)
+                have, compared = rec.get("dtype") or "float32", exp[f] is not None
+            else:
+                have, compared = rec.get(f), f in rec
+            if compared and have != exp[f]:
                 raise UserError(
-                    f"{path} already holds {rec['policy']}/{rec['workload']} records with {f}={json.dumps(rec[f])}, "
+                    f"{path} already holds {rec['policy']}/{rec['workload']} records with {f}={json.dumps(have)}, "
                     f"not {json.dumps(exp[f])}; use another --out"
                 )
 
@@ -417,7 +438,7 @@ def run_sweep(target, engines: list[Engine], workloads: list[Workload], out_path
     out_path = Path(out_path)
     existing = read_records(out_path)
     check_compatible(existing, engines, workloads, target=target.name, max_new_tokens=max_new_tokens, top_p=top_p,
-                     device=device, path=out_path)
+                     device=device, path=out_path, dtype=target_dtype(target))
     done = {r["key"]: r.get("output_ids") or [] for r in existing}
     ctx = _Ctx(target=target, seed=seed, top_p=top_p, max_new_tokens=max_new_tokens, device=device, env=env,
                done=done, warmup=warmup, on_decode=on_decode)

@@ -122,3 +122,11 @@ def check_writable(path: Path, what: str) -> None:
                 d.rmdir()
             except OSError:
                 pass
+
+def add_dtype_argument(sp) -> None:
+    """`--dtype` for every command that loads a model (specbench/engine/dtypes.py)."""
+    from specbench.engine.dtypes import CHOICES
+
+    sp.add_argument("--dtype", choices=CHOICES, default="auto",
+                    help="target and drafter dtype (default auto: bfloat16 on CUDA; on a CPU the faster of "
+                         "float32 and bfloat16, measured once and cached)")

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=arg.nonneg_int, default=0,
                         help="sampling seed; every policy gets the same per-batch seeds from it (default 0)")
         sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+        arg.add_dtype_argument(sp)
+        sp.add_argument("--no-cuda-graphs", action="store_true",
+                        help="on CUDA, run the target's forwards eagerly (default: CUDA graphs per decode/verify shape)")
         sp.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
     r = sub.add_parser("run", help="one policy on one workload", description="Run one policy on one workload.")
@@ -143,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per rollout (default %(default)s)")
     cal.add_argument("--batch-size", type=arg.positive_int, default=8, help="rollouts decoded together (default %(default)s)")
     cal.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    arg.add_dtype_argument(cal)
     cal.set_defaults(func=cmd_calibrate)
 
     prof = sub.add_parser("profile", help="measure the target's verify cost on this device",
@@ -155,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated batch sizes to time (default 1,2,4,8,16)")
     prof.add_argument("--qs", type=arg.list_of(arg.positive_int, "positive integers"), default=[1, 2, 4, 8],
                       help="comma-separated verify lengths q (tokens per row per forward) to time (default 1,2,4,8)")
+    arg.add_dtype_argument(prof)
     prof.add_argument("--out", required=True, help="profile .json to write")
     prof.set_defaults(func=cmd_profile)
     return p
@@ -167,7 +172,7 @@ def cmd_calibrate(args) -> int:
     from specbench.train.data import TrainingData
 
     device = check_device(args.device)
-    target = load_model(args.target, device=device)
+    target = load_model(args.target, device=device, dtype=args.dtype)
     data = TrainingData(args.data, target)
     policy = build_dspark(target, drafter=args.drafter, scheduler="fixed", calibrated=False)
     result = calibrate(target, policy, args.drafter, data, n_prompts=args.prompts,
@@ -188,7 +193,7 @@ def cmd_profile(args) -> int:
 
     device = check_device(args.device)
     arg.check_writable(Path(args.out), "file")
-    target = load_model(args.target, device=device)
+    target = load_model(args.target, device=device, dtype=args.dtype)
     data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs, engine_costs=True)
     profile.save(data, args.out)
     for e in data["entries"]:
@@ -294,11 +299,15 @@ def _slug(name: str) -> str:
 # Commands
 
 
-def _load_target_and_engines(target_spec, device, policies_with_overrides):
-    from specbench.engine.loading import load_model
+def _load_target_and_engines(target_spec, device, dtype, policies_with_overrides, cuda_graphs=True):
     from specbench.bench.runner import make_engine
+    from specbench.engine.loading import load_model
 
-    target = load_model(target_spec, device=device)
+    target = load_model(target_spec, device=device, dtype=dtype)
+    if cuda_graphs and target.model.device.type == "cuda":
+        from specbench.engine.cuda_graphs import enable_cuda_graphs
+
+        enable_cuda_graphs(target.model)
     engines = [make_engine(name, target, ov) for name, ov in policies_with_overrides]
     return target, engines
 
@@ -331,7 +340,8 @@ def cmd_run(args) -> int:
     # ar records already in --out are reused by resume).
     with_ar = pname != "ar" and not args.no_ar
     wanted = [(args.policy, overrides)] + ([("ar", {})] if with_ar else [])
-    target, engines = _load_target_and_engines(args.target, device, wanted)
+    target, engines = _load_target_and_engines(args.target, device, args.dtype, wanted,
+                                               cuda_graphs=not args.no_cuda_graphs)
     result = run_sweep(
         target, engines, [workload], out, batch_sizes=[args.batch_size], temperatures=[args.temperature],
         repeats=1, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
@@ -415,7 +425,8 @@ def run_summary(recs: list[dict], policy: str, workload: str, batch_size: int, t
     thr = f"{sum(t for t, _ in batches.values()) / wall:.1f} tok/s" if wall > 0 else "n/a"
     resumed = f" ({result.skipped} already in the file)" if result.skipped else ""
     lines = [
-        f"specbench run: {policy} on {workload}, batch size {batch_size}, temperature {temperature:g}",
+        f"specbench run: {policy} on {workload}, batch size {batch_size}, temperature {temperature:g}"
+        + (f", {recs[0]['dtype']}" if recs and recs[0].get("dtype") else ""),
         f"  requests      {len(recs)}{resumed}",
         f"  tau (mean)    {tau}",
         f"  acceptance    {acc}",
@@ -451,6 +462,7 @@ def sweep_settings(args, policy_names, workloads, device) -> dict:
         "workloads": list(args.workloads), "batch_sizes": list(args.batch_sizes), "repeats": args.repeats,
         "temperatures": [float(t) for t in args.temperatures], "top_p": args.top_p, "seed": args.seed,
         "limit": args.limit, "max_new_tokens": args.max_new_tokens, "target": args.target, "device": device,
+        "dtype": args.dtype, **({"cuda_graphs": False} if args.no_cuda_graphs else {}),
     }
 
 
@@ -484,6 +496,7 @@ def cmd_sweep(args) -> int:
             old = json.loads(settings_file.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{settings_file}: unreadable sweep settings ({e})") from None
+        old.setdefault("dtype", "float32")  # sweeps from before --dtype ran in fp32
         if old != settings:
             raise UserError(f"{out} holds a sweep with different settings ({_settings_diff(old, settings)}); "
                             "use another --out or the same settings to resume")
@@ -497,7 +510,8 @@ def cmd_sweep(args) -> int:
     from specbench.bench.envinfo import environment
 
     if args.executor == "local":
-        target, engines = _load_target_and_engines(args.target, device, [(p, {}) for p in args.policies])
+        target, engines = _load_target_and_engines(args.target, device, args.dtype, [(p, {}) for p in args.policies],
+                                                   cuda_graphs=not args.no_cuda_graphs)
     if not settings_file.exists():
         atomic.write_json(settings_file, settings, indent=2)
     if args.executor == "ray":
@@ -506,7 +520,7 @@ def cmd_sweep(args) -> int:
         from specbench.engine.loading import load_model
 
         result = ray_executor.run_sweep_ray(
-            partial(load_model, args.target, device=device), f"{args.target}|{device}", [(p, {}) for p in args.policies],
+            partial(load_model, args.target, device=device, dtype=args.dtype), f"{args.target}|{device}|{args.dtype}", [(p, {}) for p in args.policies],
             workloads, records_file, batch_sizes=args.batch_sizes, temperatures=args.temperatures,
             repeats=args.repeats, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, device=device,
             env_fn=environment, address=args.ray_address, progress=not args.no_progress,

@@ -2,6 +2,8 @@
 recorded traces on a cost profile (specbench/analysis/simulate.py does the replay)."""
 from __future__ import annotations
 
+import json
+
 import argparse
 import sys
 from pathlib import Path
@@ -43,7 +45,12 @@ def main(args) -> int:
     costs = simulate.load_costs(args.profile)
     rows = simulate.simulate_records(recs, costs, args.concurrency, modes, requests=args.requests,
                                      source_batch_size=args.source_batch_size, seed=args.seed)
+    try:  # the dtype the profile was measured in (the traces' acceptance is replayed against its costs)
+        profile_dtype = json.loads(Path(args.profile).read_text()).get("dtype")
+    except (OSError, ValueError):
+        profile_dtype = None
     settings = {"trace": str(trace), "profile": str(args.profile), "device_name": costs.device_name,
+                "profile_dtype": profile_dtype,
                 "concurrency": list(args.concurrency), "modes": list(modes), "requests": args.requests,
                 "source_batch_size": args.source_batch_size, "seed": args.seed}
     path = simulate.write_outputs(rows, out, settings)

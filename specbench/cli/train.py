@@ -47,6 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of data order and initialisation (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    from specbench.cli.args import add_dtype_argument
+
+    add_dtype_argument(p)  # the target's dtype (data generation, features); drafters train with fp32 master weights
     p.add_argument("--tap-layers", help="comma-separated target layers to cache (default: 3 evenly spaced)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
@@ -75,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(args, "dtype", "auto")
     progress = not getattr(args, "no_progress", False)
     tap_layers = None
     if getattr(args, "tap_layers", None):

@@ -12,6 +12,11 @@ cache, rows × prompt tokens) and `round` (one whole decode round of the core, t
 grid: verify forward + sampling + acceptance + commit + the loop's own Python). On the 2-core CPU a
 core round costs ~9% more than its forward (up to 15%), enough to matter when the simulator is held
 to 10% (docs/performance.md, "Simulation vs measurement").
+
+Beside every step time the profile gives its floor: the bytes a step must read (weights once, plus
+each row's cached keys and values) over the memory bandwidth measured in the same run
+(`streaming_bandwidth`), and the fraction of that floor the step reaches. A small model's decode
+step at b = 1 is bound by streaming its weights, so time above the floor is overhead to find.
 """
 from __future__ import annotations
 
@@ -25,44 +30,83 @@ import torch
 from specbench import atomic
 from specbench import resources
 from specbench.costs.schema import DRAFTER_COSTS_FILE, drafter_cost_key
-from specbench.engine.core import SamplingConfig, forward_new_tokens, generate, synchronize
+from specbench.engine.core import SamplingConfig, generate, synchronize
 from specbench.engine.model import Transformer, round_to_bucket
+from specbench.engine.timing import device_name, time_forward  # noqa: F401 (part of this module's API)
 from specbench.engine.policy import BatchState, Draft, Policy
 
 
-@torch.inference_mode()
-def time_forward(model: Transformer, batch: int, q: int, context: int, iters: int = 10, warmup: int = 2) -> list[float]:
-    """Seconds per forward of q new tokens per row for `batch` rows that each hold `context` cached tokens."""
-    device = model.device
-    model.setup_cache(batch, round_to_bucket(context + q + 1))
-    tokens = torch.randint(0, model.args.vocab_size, (batch, q), device=device)
-    cache_lengths = torch.full((batch,), context, dtype=torch.long, device=device)
-    times = []
-    for i in range(warmup + iters):
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters, each shared tensor (tied embeddings) once."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: Transformer) -> int:
+    a = model.args
+    element = model.lm_head.weight.element_size()
+    return 2 * a.n_layers * a.n_kv_heads * a.head_dim * element
+
+
+def streaming_bandwidth(device: torch.device | str, n_bytes: int = 2**30, iters: int = 5) -> float:
+    """Memory bandwidth in bytes/s, the best of `iters` tries: on a CPU a sum over a buffer far larger
+    than the last-level cache (read-only streaming, what a weight-bound step does); on CUDA a
+    device-to-device copy (read + write)."""
+    device = torch.device(device)
+    best = float("inf")
+    if device.type == "cuda":
+        src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
+        dst = torch.empty_like(src)
+        work, moved = (lambda: dst.copy_(src)), 2 * n_bytes
+    else:
+        buf = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
+        work, moved = buf.sum, n_bytes
+    work()
+    for _ in range(iters):
         synchronize(device)
         start = time.perf_counter()
-        forward_new_tokens(model, tokens, cache_lengths)
+        work()
         synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        best = min(best, time.perf_counter() - start)
+    return moved / best
 
 
-def profile(model: Transformer, batches: list[int], qs: list[int], context: int, iters: int = 10, progress=None) -> dict:
+def floor_ms(model: Transformer, batch: int, context: int, bandwidth: float) -> float:
+    """The memory floor of one forward: weights once plus every row's cached K/V, at `bandwidth`."""
+    return 1e3 * (weight_bytes(model) + batch * context * kv_bytes_per_token(model)) / bandwidth
+
+
+def profile(model: Transformer, batches: list[int], qs: list[int], context: int, iters: int = 10, progress=None,
+            bandwidth: float | None = None) -> dict:
+    """The (b, q) cost grid; with `bandwidth` (bytes/s, measured in the same run) each entry also
+    carries its memory floor and the fraction of it reached (floor / median)."""
     entries = []
     for b in batches:
         for q in qs:
             times = time_forward(model, b, q, context, iters=iters)
-            entries.append({
+            entry = {
                 "batch": b, "q": q, "verify_tokens": b * q,
                 "median_ms": 1e3 * statistics.median(times),
+                "min_ms": 1e3 * min(times),
                 "p10_ms": 1e3 * sorted(times)[len(times) // 10],
                 "p90_ms": 1e3 * sorted(times)[(9 * len(times)) // 10],
                 "n": len(times),
-            })
+            }
+            if bandwidth:
+                entry["floor_ms"] = floor_ms(model, b, context, bandwidth)
+                entry["floor_fraction"] = entry["floor_ms"] / entry["median_ms"]
+            entries.append(entry)
             if progress is not None:
                 progress.update(1)
-    return {"context": context, "entries": entries}
+    data = {"context": context, "entries": entries}
+    if bandwidth:
+        data.update(weight_bytes=weight_bytes(model), bandwidth_gb_s=bandwidth / 1e9,
+                    bandwidth_method="copy (read + write)" if model.device.type == "cuda" else "sum over 1 GiB (read)")
+    return data
 
 
 def step_time_model(profile_data: dict):
@@ -198,36 +242,28 @@ def committed_profiles() -> list[Path]:
     return resources.folders("results/profiles")
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" x{torch.get_num_threads()} threads"
-    except OSError:
-        pass
-    import platform
-
-    return (platform.processor() or platform.machine()) + f" x{torch.get_num_threads()} threads"
-
-
 def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROFILE_QS, iters: int = 5,
                     engine_costs: bool = False) -> dict:
     """Measure the target's verify-forward cost grid on its device (tqdm progress); with
     engine_costs also the prefill points and the whole-round grid (module docstring)."""
     from tqdm import tqdm
 
+    from specbench.engine.dtypes import dtype_name
+
     device = target.model.device
     points = len(batches) * len(qs) * (2 if engine_costs else 1)
+    bandwidth = streaming_bandwidth(device)
     with tqdm(total=points, desc=f"profiling {target.name} on {device}", unit="point") as bar:
-        data = profile(target.model, list(batches), list(qs), context, iters=iters, progress=bar)
+        data = profile(target.model, list(batches), list(qs), context, iters=iters, progress=bar, bandwidth=bandwidth)
         if engine_costs:
             data["round"] = measure_rounds(target.model, list(batches), list(qs), context, progress=bar)
             data["prefill"] = measure_prefill(target.model)
     data.update(target=target.name, target_fingerprint=target.fingerprint, device=str(device),
-                device_name=device_name(device), torch=torch.__version__, dtype=str(target.model.lm_head.weight.dtype),
+                device_name=device_name(device), torch=torch.__version__, dtype=dtype_name(target.model.lm_head.weight.dtype),
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    choice = getattr(target, "dtype_choice", None)
+    if choice:
+        data["dtype_choice"] = choice  # how --dtype was decided (auto: the timings it compared)
     return data
 
 
@@ -291,7 +327,10 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
         return data
     from specbench.engine.loading import default_cache_dir
 
-    key = drafter_cost_key(drafter_name, drafter_digest(drafter_name), device_name(target.model.device))
+    from specbench.engine.dtypes import dtype_name
+
+    key = drafter_cost_key(drafter_name, drafter_digest(drafter_name), device_name(target.model.device),
+                           dtype_name(target.model.lm_head.weight.dtype))
     cache = (cache_dir or default_cache_dir()) / "profiles" / DRAFTER_COSTS_FILE
     known = {}
     for path in [*(folder / DRAFTER_COSTS_FILE for folder in committed_profiles()), cache]:
@@ -312,8 +351,10 @@ def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
     on a CPU) and cached."""
     from specbench.engine.loading import default_cache_dir
 
+    from specbench.engine.dtypes import dtype_name
+
     device = target.model.device
-    wanted = (target.fingerprint, device_name(device), str(target.model.lm_head.weight.dtype))
+    wanted = (target.fingerprint, device_name(device), dtype_name(target.model.lm_head.weight.dtype))
     cache = (cache_dir or default_cache_dir()) / "profiles"
     for folder in [*committed_profiles(), cache]:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -321,9 +362,10 @@ def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
                 data = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            if (data.get("target_fingerprint"), data.get("device_name"), data.get("dtype")) == wanted:
+            found = (data.get("target_fingerprint"), data.get("device_name"), dtype_name(data.get("dtype", "")))
+            if found == wanted:
                 return data
     data = measure_profile(target)
     slug = "".join(c if c.isalnum() else "-" for c in wanted[1].lower())[:60]
-    save(data, cache / f"{target.name}-{slug}.json")
+    save(data, cache / f"{target.name}-{slug}-{wanted[2]}.json")
     return data

@@ -64,13 +64,15 @@ def read_profile(path: str | Path) -> dict:
     return check_profile(data, str(path))
 
 
-def drafter_cost_key(drafter: str, digest: str, device: str) -> str:
-    """The `drafters.json` key of a drafter's cost on a device."""
-    return f"{drafter}@{digest}|{device}"
+def drafter_cost_key(drafter: str, digest: str, device: str, dtype: str = "float32") -> str:
+    """The `drafters.json` key of a drafter's cost on a device in a dtype (fp32 keys carry no dtype:
+    they predate --dtype)."""
+    return f"{drafter}@{digest}|{device}" + ("" if dtype == "float32" else f"|{dtype}")
 
 
 def parse_drafter_cost_key(key: str) -> tuple[str, str, str]:
     """(drafter, digest, device) of a `drafters.json` key; digest "" for keys written without one."""
-    name, _, device = key.rpartition("|")
+    name, _, rest = key.partition("|")
+    device = rest.partition("|")[0]  # a dtype may follow (drafter_cost_key)
     drafter, _, digest = name.partition("@")
     return drafter, digest, device

@@ -19,7 +19,7 @@ from torch import Tensor
 from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import make_generator, probs_from_logits, sample
-from specbench.engine.verify import verify_chain, verify_tree
+from specbench.engine.verify import verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclass
@@ -86,12 +86,20 @@ def chain_mask(cache_lengths: Tensor, q: int, kv_len: int) -> Tensor:
     return torch.arange(kv_len, device=device)[None, None] <= last_visible[..., None]
 
 
+def graphed_for(model: Transformer, q: int):
+    """The model's CUDA-graph forward (specbench/cuda_graphs.py) for a forward of q tokens per row,
+    or None: no graphs, or q beyond the decode/verify buckets (a prefill runs eagerly rather than
+    capturing a graph per prompt length)."""
+    graphed = getattr(model, "graphed", None)
+    return graphed if graphed is not None and q <= graphed.max_q else None
+
+
 def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor, taps=()):
     """Run `tokens` [b, q] as the continuation of each row's cache (row r starts at slot
     cache_lengths[r]); returns the model's (logits, taps, hidden)."""
     b, q = tokens.shape
     positions = cache_lengths[:, None] + torch.arange(q, device=tokens.device)[None]
-    graphed = getattr(model, "graphed", None)
+    graphed = graphed_for(model, q)
     if graphed is not None:  # static shapes: attend over the whole cache, the mask hides the rest
         return graphed(tokens, positions, positions, chain_mask(cache_lengths, q, model.max_seq), taps=taps)
     kv_len = round_to_bucket(int(cache_lengths.max()) + q, model.max_seq)
@@ -137,7 +145,10 @@ def generate(
     zeros = torch.zeros(b, dtype=torch.long, device=device)
     logits, prompt_features, _ = forward_new_tokens(target, tokens[:, :p_max], zeros, policy.target_taps)
     last = logits[torch.arange(b, device=device), prompt_lengths - 1]
-    first = sample(probs_from_logits(last, config.temperature, config.top_p), state.generator)
+    if config.temperature <= 0:  # greedy: the argmax (what sampling a one-hot gives), no [b, V] one-hot
+        first = last.argmax(-1)
+    else:
+        first = sample(probs_from_logits(last, config.temperature, config.top_p), state.generator)
     commit_tokens(state, results, [[int(t)] for t in first.tolist()], eos, max_new)
     synchronize(device)
     t_first = time.perf_counter()
@@ -155,14 +166,12 @@ def generate(
         verify_lengths = policy.schedule(draft, state).clamp(max=draft.tokens.shape[1]) * state.active
         active_list = state.active.tolist()
         if draft.parents is None:
-            paths, next_token, verify_features, depths, nodes_list = _verify_chain_round(
+            paths, next_list, drafts_list, verify_features, depths, nodes_list = _verify_chain_round(
                 target, policy, state, draft, verify_lengths, config)
         else:
             paths, next_token, verify_features, depths, nodes_list = _verify_tree_round(
                 target, policy, state, draft, verify_lengths, config)
-
-        next_list = next_token.tolist()
-        drafts_list = draft.tokens.tolist()
+            next_list, drafts_list = next_token.tolist(), draft.tokens.tolist()
         conf_list = draft.confidence.float().tolist() if draft.confidence is not None else None
         new_tokens = []
         for r in range(b):
@@ -200,8 +209,9 @@ def generate(
 
 
 def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_lengths: Tensor, config: SamplingConfig):
-    """Returns (accepted node indices per row, next token [b], committed-first target features,
-    depth verified per row, drafts verified per row). One forward over [anchor, x_1..x_ℓ] per row; the accepted drafts are already in place in the
+    """Returns (accepted node indices per row, next token per row, draft tokens per row,
+    committed-first target features, depth verified per row, drafts verified per row), the
+    round's outcome brought to the host in one transfer. One forward over [anchor, x_1..x_ℓ] per row; the accepted drafts are already in place in the
     cache (consecutive slots), so committing them is just advancing the row's length."""
     cache_lengths = state.lengths - 1  # the anchor's KV is computed in this round's forward
     # Never verify past the token budget (the bonus token takes one).
@@ -211,10 +221,16 @@ def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_
     anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])
     inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
     logits, verify_features, _ = forward_new_tokens(target, inputs, cache_lengths, policy.target_taps)
-    target_probs = probs_from_logits(logits, config.temperature, config.top_p)
-    accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
-    paths = [list(range(a)) for a in accepted.tolist()]
-    return paths, next_token, verify_features, verify_lengths.tolist(), verify_lengths.tolist()
+    if config.temperature <= 0:  # greedy fast path: argmax ids, the same outcome as one-hot verification
+        accepted, next_token = verify_chain_greedy(logits.argmax(-1), draft.tokens, verify_lengths)
+    else:
+        target_probs = probs_from_logits(logits, config.temperature, config.top_p)
+        accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
+    # One device-to-host transfer of the round's outcome: per row [accepted, next, ℓ, drafts...].
+    outcome = torch.cat([accepted[:, None], next_token[:, None], verify_lengths[:, None], draft.tokens], dim=1).tolist()
+    paths = [list(range(row[0])) for row in outcome]
+    lengths = [row[2] for row in outcome]
+    return paths, [row[1] for row in outcome], [row[3:] for row in outcome], verify_features, lengths, lengths
 
 
 def tree_layout(parents: Tensor, n_nodes: Tensor) -> tuple[Tensor, Tensor]:
@@ -245,7 +261,7 @@ def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes:
     inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
     positions = cache_lengths[:, None] + depth
     slots = cache_lengths[:, None] + torch.arange(q, device=device)[None]
-    graphed = getattr(target, "graphed", None)
+    graphed = graphed_for(target, q)
     kv_len = target.max_seq if graphed is not None else round_to_bucket(int(cache_lengths.max()) + q, target.max_seq)
     key = torch.arange(kv_len, device=device)[None, None]
     offset = key - cache_lengths[:, None, None]  # key slot relative to the anchor's slot
@@ -253,8 +269,11 @@ def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes:
     mask = (offset < 0) | ((offset < q) & in_tree)
     forward = graphed or target
     logits, verify_features, _ = forward(inputs, positions, slots, mask, taps=policy.target_taps)
-    target_probs = probs_from_logits(logits, config.temperature, config.top_p)
-    paths, next_token = verify_tree(target_probs, draft.tokens, parents, draft.probs, n_nodes, state.generator)
+    if config.temperature <= 0:  # greedy fast path (verify_tree_greedy)
+        paths, next_token = verify_tree_greedy(logits.argmax(-1), draft.tokens, parents, n_nodes)
+    else:
+        target_probs = probs_from_logits(logits, config.temperature, config.top_p)
+        paths, next_token = verify_tree(target_probs, draft.tokens, parents, draft.probs, n_nodes, state.generator)
 
     # Commit: accepted node i sits at slot anchor+1+i; move it to anchor+1+j (j = its depth − 1).
     longest = max((len(p) for p in paths), default=0)

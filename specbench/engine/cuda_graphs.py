@@ -8,6 +8,11 @@ static shapes and addresses, so graphed forwards always attend over the whole ca
 
 Outputs are the graph's static tensors: they are overwritten by the next replay of the same
 bucket, so callers consume (or clone) them before the next forward.
+
+`run` and `sweep` enable it for the target on CUDA (`--no-cuda-graphs` turns it off). Buckets are
+the (batch, q) shapes the core meets: q = 1 decode and each verify width up to `max_q`; longer
+forwards (prefill) run eagerly (specbench/core.py graphed_for), so prompts of every length do not
+each capture a graph. The drafters' own steps are not graphed (yet).
 """
 from __future__ import annotations
 
@@ -15,10 +20,14 @@ import torch
 from torch import Tensor
 
 
+MAX_GRAPHED_Q = 64  # the widest verify forward captured: drafts + anchor of any shipped policy fit
+
+
 class GraphedForward:
-    def __init__(self, model, warmup: int = 2):
+    def __init__(self, model, warmup: int = 2, max_q: int = MAX_GRAPHED_Q):
         self.model = model
         self.warmup = warmup
+        self.max_q = max_q
         self.graphs: dict[tuple, tuple] = {}
         self.cache_id = None
 
@@ -52,8 +61,13 @@ class GraphedForward:
         return graph, inputs, outputs
 
 
-def enable_cuda_graphs(model) -> None:
-    """Route the core's forwards of `model` through captured graphs (CUDA only)."""
+def enable_cuda_graphs(model, max_q: int = MAX_GRAPHED_Q) -> None:
+    """Route the core's forwards of `model` of up to `max_q` tokens per row through captured graphs
+    (CUDA only)."""
     if model.device.type != "cuda":
         raise ValueError("CUDA graphs need a CUDA device")
-    model.graphed = GraphedForward(model)
+    model.graphed = GraphedForward(model, max_q=max_q)
+
+
+def uses_cuda_graphs(model) -> bool:
+    return getattr(model, "graphed", None) is not None

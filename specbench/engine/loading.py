@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from torch import nn
 from safetensors.torch import load_file, save_file
 
 from specbench import atomic
+from specbench.engine.dtypes import auto_dtype, auto_without_measuring, cast_model, check_device_dtype, dtype_name, parse_dtype
 from specbench.errors import UserError
 from specbench.engine.model import ModelArgs, Transformer
 
@@ -46,6 +47,13 @@ class LoadedModel:
     path: str  # the local HF directory actually read (the conversion cache for GGUF sources)
     fingerprint: str  # identifies config + weights; drafters record it to refuse other targets
     eos_token_ids: list[int]  # generation stops on any of these
+    # How the dtype was chosen: {"requested": "auto", ...the measurement (specbench/dtypes.py)} or
+    # {"requested": "<dtype>"}; the dtype itself is the model's (dtypes.dtype_name(model dtype)).
+    dtype_choice: dict = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.model.lm_head.weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,10 +89,24 @@ def default_cache_dir() -> Path:
 # Public API
 
 
-def load_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32, cache_dir=None) -> LoadedModel:
-    """Load `spec` (alias, .gguf file, local HF dir or hub id) into our Transformer."""
+def load_model(spec: str, device="cpu", dtype: torch.dtype | str = torch.float32, cache_dir=None) -> LoadedModel:
+    """Load `spec` (alias, .gguf file, local HF dir or hub id) into our Transformer, in `dtype`: a
+    torch dtype, its name, or "auto" (specbench/dtypes.py: bf16 on CUDA, measured on a CPU)."""
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    check_device_dtype(dtype, device)
     path, name, source = resolve(spec, cache_dir)
-    return _load_dir(path, name, source, torch.device(device), dtype)
+    requested = dtype_name(dtype)
+    dtype = auto_without_measuring(dtype, device)  # CUDA: bf16 (no fp32 copy of an 8B model first)
+    if dtype != "auto":
+        loaded = _load_dir(path, name, source, torch.device(device), dtype)
+        loaded.dtype_choice = {"requested": requested}
+        return loaded
+    loaded = _load_dir(path, name, source, torch.device(device), torch.float32)
+    chosen, measured = auto_dtype(loaded, Path(cache_dir) if cache_dir else default_cache_dir())
+    cast_model(loaded.model, chosen)
+    loaded.dtype_choice = {"requested": "auto", **measured}
+    return loaded
 
 
 def load_hf_reference(spec: str, device="cpu", dtype: torch.dtype = torch.float32, cache_dir=None):

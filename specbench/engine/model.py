@@ -98,6 +98,29 @@ def _rope_scaling(c: dict) -> dict | None:
 FOLD_GQA_HEADS = True
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) whose one-row bf16 case on a CPU runs as a
+    matrix-vector product: torch.mv gives bit-identical results there and took 0.57-0.78x the time
+    of F.linear's GEMM path for every SmolLM2-135M projection (576x576 to the 49152x576 head;
+    Xeon with AMX, torch 2.13, min of 25 interleaved calls; fp32 showed no difference). A b = 1
+    decode step is 211 such calls."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
+            y = torch.mv(self.weight, x.reshape(-1))
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight, self.bias)
+
+
+def fold_mask(mask: Tensor, group: int) -> Tensor:
+    """[b, q, kv_len] → [b, 1, group·q, kv_len]: the mask of the folded-GQA query axis (query head
+    h of a KV group at row (h mod group)·q + i sees what query i sees). Built once per forward."""
+    b, q, kv_len = mask.shape
+    return mask[:, None, None].expand(b, 1, group, q, kv_len).reshape(b, 1, group * q, kv_len)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -116,10 +139,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         bias = args.attention_bias
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_proj = Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
@@ -128,7 +151,9 @@ class Attention(nn.Module):
         self.k_cache: Tensor | None = None  # [max_batch, n_kv_heads, max_seq, head_dim]
         self.v_cache: Tensor | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
+                folded_mask: Tensor | None = None) -> Tensor:
+        """folded_mask: fold_mask(mask, group), when the caller built it once for all layers."""
         b, q, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         xq = self.q_proj(x).view(b, q, nh, hd)
@@ -138,10 +163,15 @@ class Attention(nn.Module):
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
 
-        # Write the new keys/values into each row's own cache slots.
-        rows = torch.arange(b, device=x.device)[:, None]
-        self.k_cache[rows, :, slots] = xk.to(self.k_cache.dtype)
-        self.v_cache[rows, :, slots] = xv.to(self.v_cache.dtype)
+        # Write the new keys/values into each row's own cache slots (one row: an index_copy_ along
+        # the slot axis, the same write without advanced indexing's index_put).
+        if b == 1:
+            self.k_cache[0].index_copy_(1, slots[0], xk[0].transpose(0, 1).to(self.k_cache.dtype))
+            self.v_cache[0].index_copy_(1, slots[0], xv[0].transpose(0, 1).to(self.v_cache.dtype))
+        else:
+            rows = torch.arange(b, device=x.device)[:, None]
+            self.k_cache[rows, :, slots] = xk.to(self.k_cache.dtype)
+            self.v_cache[rows, :, slots] = xv.to(self.v_cache.dtype)
         kv_len = mask.shape[-1]
         keys = self.k_cache[:b, :, :kv_len]
         values = self.v_cache[:b, :, :kv_len]
@@ -154,7 +184,8 @@ class Attention(nn.Module):
         keys, values = keys.to(xq.dtype), values.to(xq.dtype)
         if FOLD_GQA_HEADS:
             xq = xq.transpose(1, 2).reshape(b, nkv, group * q, hd)
-            folded_mask = mask[:, None, None].expand(b, 1, group, q, kv_len).reshape(b, 1, group * q, kv_len)
+            if folded_mask is None:
+                folded_mask = fold_mask(mask, group)
             out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=folded_mask)
         else:  # the plain path (benchmarks compare against it): KV repeated per query head
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
@@ -166,9 +197,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_proj = Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -182,8 +213,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, slots, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+    def forward(self, x, cos, sin, slots, mask, folded_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, folded_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -202,7 +233,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_batch = 0
@@ -254,9 +285,11 @@ class Transformer(nn.Module):
         """
         x = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        a = self.args
+        folded_mask = fold_mask(mask, a.n_heads // a.n_kv_heads) if FOLD_GQA_HEADS else None
         tapped = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, slots, mask)
+            x = layer(x, cos, sin, slots, mask, folded_mask)
             if i in taps:
                 tapped.append(x)
         hidden = self.model.norm(x)

@@ -124,3 +124,45 @@ def verify_tree(
         paths.append(path)
         next_dists[r] = p / p.sum()
     return paths, sample(next_dists, generator)
+
+
+def verify_chain_greedy(target_argmax: Tensor, draft_tokens: Tensor, verify_lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """verify_chain for a greedy target (temperature 0) on its argmax ids [b, Q], without building
+    one-hot [b, Q, V] distributions or drawing noise: with p one-hot at a, u·q(x) < p(x) holds
+    exactly when x = a, and the residual norm(max(0, p − q)) is p again, so rows accept while the
+    draft equals the target's argmax and emit the argmax after the last accepted draft (correction
+    or bonus). Same (accepted, next_token) as verify_chain, whatever the draft probabilities."""
+    b, q = target_argmax.shape
+    k_max = min(draft_tokens.shape[1], q - 1)
+    if k_max == 0:
+        return torch.zeros(b, dtype=torch.long, device=target_argmax.device), target_argmax[:, 0]
+    match = draft_tokens[:, :k_max] == target_argmax[:, :k_max]
+    match &= torch.arange(k_max, device=match.device)[None] < verify_lengths[:, None]
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    return accepted, target_argmax.gather(1, accepted[:, None]).squeeze(1)
+
+
+def verify_tree_greedy(target_argmax: Tensor, node_tokens: Tensor, parents: Tensor, n_nodes: Tensor
+                       ) -> tuple[list[list[int]], Tensor]:
+    """verify_tree for a greedy target on its argmax ids [b, 1+N] (index 0: the root): from the
+    root, step to the first child (in node order) whose token is the argmax there, as the one-hot
+    recursive rejection sampling does with either kind of sibling; the next token is the argmax at
+    the last node reached. One device-to-host transfer of the ids for the whole batch."""
+    argmax_list, parents_list = target_argmax.tolist(), parents.tolist()
+    tokens_list, limits = node_tokens.tolist(), n_nodes.tolist()
+    paths, next_tokens = [], []
+    for r in range(target_argmax.shape[0]):
+        children: dict[int, list[int]] = {}
+        for i in range(limits[r]):
+            children.setdefault(parents_list[r][i], []).append(i)
+        node, path = -1, []
+        while True:
+            wanted = argmax_list[r][node + 1]
+            chosen = next((c for c in children.get(node, []) if tokens_list[r][c] == wanted), None)
+            if chosen is None:
+                break
+            path.append(chosen)
+            node = chosen
+        paths.append(path)
+        next_tokens.append(argmax_list[r][node + 1])
+    return paths, torch.tensor(next_tokens, dtype=torch.long, device=target_argmax.device)
