@@ -1,0 +1,96 @@
+"""Tiny random drafters built with the reference implementations' own code (SpecForge's
+`specforge.modeling.draft`, z-lab's `dflash`), saved the way they save checkpoints
+(`save_pretrained`: config.json + model.safetensors), for the formats conformance tests."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from tiny import tiny_model
+
+VOCAB, DIM, TARGET_LAYERS = 64, 32, 3
+TAPS = [0, 2]
+MASK_ID = 5
+
+
+def tiny_target(seed: int = 0, vocab: int = VOCAB, layers: int = TARGET_LAYERS, scale: float = 3.0):
+    """A tiny suite target wrapped like a loading.LoadedModel (what the loaders read)."""
+    model = tiny_model(vocab=vocab, dim=DIM, layers=layers, seed=seed, scale=scale, qk_norm=True)
+    return SimpleNamespace(model=model, name=f"tiny-{seed}", fingerprint=f"tiny-{seed}", tokenizer=None,
+                           eos_token_ids=[])
+
+
+def qwen3_config(vocab: int = VOCAB, layers: int = 2, **extra):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def randomize(module: torch.nn.Module, seed: int, std: float = 0.25) -> torch.nn.Module:
+    """Every parameter random (norm weights around 1), so no weight name can be silently skipped."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            g = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()) % 100_000)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return module.eval()
+
+
+def specforge_dspark(markov_head_type="vanilla", rank=6, confidence=True, with_markov=True, block_size=4, seed=1):
+    from specforge.modeling.draft.dspark import DSparkDraftModel
+
+    cfg = qwen3_config(block_size=block_size, num_target_layers=TARGET_LAYERS)
+    dc = {"target_layer_ids": TAPS, "mask_token_id": MASK_ID, "markov_rank": rank,
+          "enable_confidence_head": confidence, "confidence_head_with_markov": with_markov}
+    if rank:
+        dc["markov_head_type"] = markov_head_type
+    cfg.dflash_config = dc
+    return randomize(DSparkDraftModel(cfg), seed)
+
+
+def specforge_dflash(block_size=4, seed=2):
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+
+    cfg = qwen3_config(block_size=block_size, num_target_layers=TARGET_LAYERS)
+    cfg.dflash_config = {"target_layer_ids": TAPS, "mask_token_id": MASK_ID}
+    return randomize(DFlashDraftModel(cfg), seed)
+
+
+def zlab_dflash(block_size=4, seed=3):
+    from dflash.model import DFlashDraftModel
+
+    cfg = qwen3_config(block_size=block_size, num_target_layers=TARGET_LAYERS)
+    cfg.dflash_config = {"target_layer_ids": TAPS, "mask_token_id": MASK_ID}
+    return randomize(DFlashDraftModel(cfg), seed)
+
+
+def save(model, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+def context_inputs(target, n_ctx: int, batch: int = 2, seed: int = 0):
+    """Target features of a random context (raw outputs of the tapped layers, as the reference
+    code's `extract_context_feature` gives them) and anchors, for both implementations."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, n_ctx), generator=g)
+    anchors = torch.randint(0, VOCAB, (batch,), generator=g)
+    model = target.model
+    model.setup_cache(batch, 64)
+    positions = torch.arange(n_ctx)[None].expand(batch, n_ctx)
+    mask = torch.ones(batch, n_ctx, n_ctx, dtype=torch.bool).tril()
+    mask = torch.cat([mask, torch.zeros(batch, n_ctx, 64 - n_ctx, dtype=torch.bool)], dim=-1)
+    _, features, _ = model(tokens, positions, positions, mask, taps=tuple(TAPS), logits=False)
+    return features, anchors
+
