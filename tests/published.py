@@ -80,7 +80,7 @@ def save(model, path: Path) -> Path:
     return path
 
 
-def context_inputs(target, n_ctx: int, batch: int = 2, seed: int = 0):
+def context_inputs(target, n_ctx: int, batch: int = 2, seed: int = 0, taps=TAPS):
     """Target features of a random context (raw outputs of the tapped layers, as the reference
     code's `extract_context_feature` gives them) and anchors, for both implementations."""
     g = torch.Generator().manual_seed(seed)
@@ -91,6 +91,6 @@ def context_inputs(target, n_ctx: int, batch: int = 2, seed: int = 0):
     positions = torch.arange(n_ctx)[None].expand(batch, n_ctx)
     mask = torch.ones(batch, n_ctx, n_ctx, dtype=torch.bool).tril()
     mask = torch.cat([mask, torch.zeros(batch, n_ctx, 64 - n_ctx, dtype=torch.bool)], dim=-1)
-    _, features, _ = model(tokens, positions, positions, mask, taps=tuple(TAPS), logits=False)
+    _, features, _ = model(tokens, positions, positions, mask, taps=tuple(taps), logits=False)
     return features, anchors
 
