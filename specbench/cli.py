@@ -92,7 +92,7 @@ def parse_scalar(raw: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specbench", description="Benchmark speculative-decoding policies, losslessly, with error bars.")
-    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{run,sweep,list,report,simulate,train,calibrate,profile,regress,export}", parser_class=_Parser)
 
     def common(sp, single: bool):
         sp.add_argument("--target", default=DEFAULT_TARGET, help=f"model alias, .gguf, HF directory or hub id (default {DEFAULT_TARGET})")
@@ -150,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from specbench import regress, simulate
     from specbench.train import cli as train_cli
+    from specbench.formats import export as formats_export
 
     train_cli.add_parser(sub)
     regress.add_parser(sub)
     simulate.add_parser(sub)
+    formats_export.add_parser(sub)
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")

@@ -94,3 +94,32 @@ def context_inputs(target, n_ctx: int, batch: int = 2, seed: int = 0, taps=TAPS)
     _, features, _ = model(tokens, positions, positions, mask, taps=tuple(taps), logits=False)
     return features, anchors
 
+
+
+def hf_tokenizer(vocab: int = VOCAB, prefix: str = "t"):
+    """A word-level tokenizer over `vocab` ids ("t0" … ), eos "t2", built offline with tokenizers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(vocab)}, unk_token=f"{prefix}0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"{prefix}2", unk_token=f"{prefix}0",
+                                   pad_token=f"{prefix}0")
+
+
+def hf_target_dir(path: Path, seed: int = 0, vocab: int = VOCAB, layers: int = TARGET_LAYERS, hidden: int = DIM,
+                  tokenizer=None) -> Path:
+    """A tiny random Qwen3 target saved with transformers (config.json, model.safetensors, tokenizer)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2,
+                      bos_token_id=None, pad_token_id=0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # sharp next-token distributions (no argmax near-ties)
+    model.save_pretrained(path)
+    (tokenizer or hf_tokenizer(vocab)).save_pretrained(path)
+    return Path(path)
