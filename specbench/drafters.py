@@ -62,6 +62,13 @@ def read_checkpoint(spec: str, target, kind: str) -> tuple[dict, dict[str, torch
 
 def load_draft_lm(spec: str, target) -> Transformer:
     """A draft LM for the fixed-K policy, on the target's device and dtype."""
+    from specbench.formats import is_published, load_published
+
+    if is_published(spec):  # a plain HF causal LM directory or hub id (specbench/formats/hf_draft_lm.py)
+        kind, draft = load_published(spec, target)
+        if kind != "draft-lm":
+            raise UserError(f"drafter {spec} is a published {kind!r} drafter, not a causal LM for fixed-k")
+        return draft
     base = target.model
     dtype = base.lm_head.weight.dtype
     if spec == "self" or spec.startswith("truncate:"):

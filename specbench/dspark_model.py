@@ -509,7 +509,13 @@ def load_dspark_drafter(spec: str, target, kind: str | None = None) -> DSparkDra
     import json
 
     from specbench.drafters import CONFIG_NAME, read_checkpoint, resolve_checkpoint
+    from specbench.formats import is_published, load_published
 
+    if is_published(spec):  # a DeepSpec / SpecForge / z-lab checkpoint (config.json): specbench/formats
+        found, drafter = load_published(spec, target)
+        if found not in KINDS or (kind is not None and found != kind):
+            raise UserError(f"drafter {spec} is a published {found!r} drafter, not {kind or ' / '.join(KINDS)}")
+        return drafter
     if kind is None:
         path = resolve_checkpoint(spec)
         try:

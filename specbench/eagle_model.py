@@ -331,7 +331,13 @@ def load_eagle_head(spec: str, target) -> EagleHead:
     dtype, sharing its frozen embedding / lm_head. A head trained for another target, another
     kind of drafter, or corrupt files are refused with a UserError."""
     from specbench.drafters import read_checkpoint
+    from specbench.formats import is_published, load_published
 
+    if is_published(spec):  # a SpecForge / SafeAILab EAGLE-3 checkpoint (config.json): specbench/formats
+        found, head = load_published(spec, target)
+        if found != KIND:
+            raise UserError(f"drafter {spec} is a published {found!r} drafter, not an EAGLE head")
+        return head
     config, state = read_checkpoint(spec, target, kind=KIND)
     try:
         args = EagleArgs.from_dict(config["model_args"])

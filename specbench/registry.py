@@ -134,7 +134,10 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
 
     model = load_dspark_drafter(drafter, target)
     temperatures = None  # STS: {sampling temperature: per-position temperatures}
-    calibration = resolve_checkpoint(drafter) / "calibration.json"
+    from specbench.formats import is_published
+
+    # STS fitted by `specbench calibrate` lives beside the drafter (a published one: in its directory).
+    calibration = (Path(drafter) if is_published(drafter) else resolve_checkpoint(drafter)) / "calibration.json"
     if calibrated and calibration.is_file():
         temperatures = load_sts(calibration)
     step_seconds = draft_seconds = None

@@ -47,16 +47,17 @@ def randomize(module: torch.nn.Module, seed: int, std: float = 0.25) -> torch.nn
     return module.eval()
 
 
-def specforge_dspark(markov_head_type="vanilla", rank=6, confidence=True, with_markov=True, block_size=4, seed=1):
+def specforge_dspark(markov_head_type="vanilla", rank=6, confidence=True, with_markov=True, block_size=4, seed=1,
+                     vocab=VOCAB, mask_id=MASK_ID, std=0.25):
     from specforge.modeling.draft.dspark import DSparkDraftModel
 
-    cfg = qwen3_config(block_size=block_size, num_target_layers=TARGET_LAYERS)
-    dc = {"target_layer_ids": TAPS, "mask_token_id": MASK_ID, "markov_rank": rank,
+    cfg = qwen3_config(vocab=vocab, block_size=block_size, num_target_layers=TARGET_LAYERS)
+    dc = {"target_layer_ids": TAPS, "mask_token_id": mask_id, "markov_rank": rank,
           "enable_confidence_head": confidence, "confidence_head_with_markov": with_markov}
     if rank:
         dc["markov_head_type"] = markov_head_type
     cfg.dflash_config = dc
-    return randomize(DSparkDraftModel(cfg), seed)
+    return randomize(DSparkDraftModel(cfg), seed, std)
 
 
 def specforge_dflash(block_size=4, seed=2):
