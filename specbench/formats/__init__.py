@@ -21,6 +21,16 @@ from specbench.errors import UserError
 from specbench.formats import checkpoint
 
 
+# Published layouts this suite knows of but does not load, and why (docs/formats.md).
+UNSUPPORTED = {
+    "Qwen3Eagle3Model": "DeepSpec's own EAGLE-3 layout (its modeling file was not available to implement it from; "
+                        "SpecForge's LlamaForCausalLMEagle3 is supported)",
+    "Gemma4DSparkModel": "DeepSpec's Gemma-4 DSpark (Gemma layers, softcapping: the suite's decoder is Llama/Qwen-family)",
+    "Gemma4Eagle3Model": "DeepSpec's Gemma-4 EAGLE-3 (the suite's decoder is Llama/Qwen-family)",
+    "DFlash2DraftModel": "z-lab's DFlash-2 (dynamic convolutions and a candidate selector, not DFlash)",
+}
+
+
 def is_published(spec: str) -> bool:
     """True when `spec` names a published-format drafter (config.json) rather than a suite
     checkpoint (drafter.json) or a built-in draft-LM spec."""
@@ -55,6 +65,8 @@ def load_published(spec: str, target):
             if kind == "dspark" and module.args.markov_rank == 0 and not module.args.confidence_head:
                 kind = "dflash"
             return kind, module
+    if arch in UNSUPPORTED:
+        raise UserError(f"drafter {spec}: architecture {arch!r} is not supported: {UNSUPPORTED[arch]}")
     if hf_draft_lm.is_causal_lm(arch):
         return "draft-lm", hf_draft_lm.load(spec, path, config, target)
     known = [a for _, layout in layouts for a in layout.ARCHITECTURES] + ["*ForCausalLM"]
