@@ -595,7 +595,7 @@ def main(argv=None) -> int:
         except SystemExit as e:  # --help / --version
             return int(e.code or 0)
         if not args.command:
-            raise UserError("choose a command: run, sweep, list, report, simulate, train, calibrate, profile, regress (see specbench --help)")
+            raise UserError("choose a command: run, sweep, list, report, simulate, train, calibrate, profile, regress, export (see specbench --help)")
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         return args.func(args)

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.dspark_model import KV_BUCKET, DSparkArgs, DSparkDrafter
+from specbench.errors import UserError
+from specbench.model import ModelArgs, rope_inv_freq
 from specbench.sampling import probs_from_logits, sample
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
@@ -56,6 +58,10 @@ class PublishedBlockDrafter(DSparkDrafter):
         d, r = args.model_args.dim, args.markov_rank
         self.markov_gate = nn.Linear(d + r, r) if r > 0 and markov_head_type == "gated" else None
         self.markov_rnn = nn.Linear(2 * r + d, 3 * r) if r > 0 and markov_head_type == "rnn" else None
+
+    def forward_blocks(self, features: Tensor, input_ids: Tensor, anchors: Tensor) -> Tensor:
+        raise NotImplementedError("published drafters are loaded to draft, not trained here: the suite trains "
+                                  "its own DSparkDrafter (specbench/train/dspark.py)")
 
     @property
     def slots(self) -> int:
@@ -172,9 +178,6 @@ def suite_to_published_name(name: str) -> str:
 
 def draft_model_args(config: dict, where: str):
     """The draft layers' ModelArgs from a published (Qwen3Config-shaped) config."""
-    from specbench.errors import UserError
-    from specbench.model import ModelArgs
-
     if config.get("hidden_act", "silu") != "silu":
         raise UserError(f"drafter {where}: hidden_act {config.get('hidden_act')!r} is not supported (silu only)")
     if config.get("attention_bias"):
@@ -193,9 +196,6 @@ def load_block_drafter(where: str, config: dict, state: dict, target, *, taps, b
                        confidence_with_markov: bool, first_slot: int) -> PublishedBlockDrafter:
     """Build the suite's module for a published block drafter and load its weights, after checking
     that it fits `target` (a loading.LoadedModel): hidden size, vocabulary, tapped layers."""
-    from specbench.errors import UserError
-    from specbench.model import rope_inv_freq
-
     base = target.model
     t = base.args
     args = draft_model_args(config, where)

@@ -9,8 +9,6 @@ that mean other strings to the target: still lossless, but a meaningless benchma
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from specbench.errors import UserError
 
 
@@ -32,13 +30,13 @@ def tokenizer_mismatch(draft_tok, target_tok) -> str | None:
     return None
 
 
-def load(spec: str, path: Path, config: dict, target):
+def load(spec: str, path, config: dict, target):
     """The draft LM as the suite's Transformer on the target's device and dtype (own embedding and
     head: a draft LM is a model of its own), after the tokenizer and vocabulary checks."""
-    from specbench.loading import _load_dir
+    from specbench.loading import load_model
 
     base = target.model
-    draft = _load_dir(Path(path), str(spec), f"dir:{path}", base.device, base.lm_head.weight.dtype)
+    draft = load_model(str(path), device=base.device, dtype=base.lm_head.weight.dtype)
     why = tokenizer_mismatch(draft.tokenizer, target.tokenizer)
     if why:
         raise UserError(f"draft LM {spec}: its tokenizer is not the target {target.name!r}'s: {why}")
