@@ -109,18 +109,18 @@ def hf_tokenizer(vocab: int = VOCAB, prefix: str = "t"):
 
 
 def hf_target_dir(path: Path, seed: int = 0, vocab: int = VOCAB, layers: int = TARGET_LAYERS, hidden: int = DIM,
-                  tokenizer=None) -> Path:
+                  tokenizer=None, tied: bool = False) -> Path:
     """A tiny random Qwen3 target saved with transformers (config.json, model.safetensors, tokenizer)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=2,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tied, eos_token_id=2,
                       bos_token_id=None, pad_token_id=0)
     model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(60.0)  # sharp next-token distributions (no argmax near-ties)
+    with torch.no_grad():  # sharp next-token distributions (no argmax near-ties)
+        model.lm_head.weight.mul_(4.0 if tied else 60.0)
     model.save_pretrained(path)
     (tokenizer or hf_tokenizer(vocab)).save_pretrained(path)
     return Path(path)

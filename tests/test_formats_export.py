@@ -30,10 +30,12 @@ def target(tmp_path_factory):
     return load_model(str(hf_target_dir(tmp_path_factory.mktemp("target") / "tiny-qwen3")))
 
 
-def suite_block_drafter(target, out, variant="dspark", seed=3):
+def suite_block_drafter(target, out, variant="dspark", seed=3, draft_vocab=0):
     args = DSparkArgs.for_target(target.model.args, tap_layers=TAPS, variant=variant, n_layers=2, block_size=4,
-                                 markov_rank=6)
+                                 markov_rank=6, draft_vocab=draft_vocab)
     drafter = build_drafter(args, target.model)
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             g = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()) % 1000)
@@ -115,7 +117,15 @@ def test_export_deepspec(tmp_path, target, variant):
             assert (conf - conf_ref).abs().max() <= TOL
 
 
-def test_export_specforge_eagle3(tmp_path, target, monkeypatch):
+@pytest.fixture(scope="module")
+def tied_target(tmp_path_factory):
+    """A target with tied embeddings (as SmolLM2 and small Qwen3s): embed and head share storage."""
+    return load_model(str(hf_target_dir(tmp_path_factory.mktemp("tied") / "tiny-tied", tied=True)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_specforge_eagle3(tmp_path, target, tied_target, monkeypatch, tied):
+    target = tied_target if tied else target
     monkeypatch.setattr(torch._dynamo.config, "disable", True)  # SpecForge's RMSNorm is @torch.compile'd
     from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
 
@@ -159,3 +169,51 @@ def test_export_refusals(tmp_path, target, capsys):
                  "--format", "deepspec", "--out", str(tmp_path / "busy")]) == 2
     assert "not an empty directory" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "busy").iterdir()] == ["x"]
+
+
+def test_export_lifts_reduced_vocabulary(tmp_path, target, capsys):
+    """A reduced-vocabulary drafter: refused as it is; with --full-vocabulary the reference module's
+    corrected logits on the subset's tokens equal the suite's, and the confidences are unchanged."""
+    drafter = suite_block_drafter(target, tmp_path / "suite", draft_vocab=20)
+    args = ["export", "--drafter", str(tmp_path / "suite"), "--target", target.path, "--format", "deepspec"]
+    assert main(args + ["--out", str(tmp_path / "exact")]) == 2
+    assert "--full-vocabulary" in capsys.readouterr().err and not (tmp_path / "exact").exists()
+    out = tmp_path / "lifted"
+    assert main(args + ["--out", str(out), "--full-vocabulary"]) == 0
+    ref, embed, lm_head, mask_id = specforge_from_deepspec(out)
+    _, features, anchors = features_and_anchors(target)
+    n_ctx = features.shape[1]
+    block = torch.full((len(anchors), 4), mask_id)
+    block[:, 0] = anchors
+    prev = torch.cat([anchors[:, None], torch.randint(3, VOCAB, (len(anchors), 3), generator=torch.Generator().manual_seed(2))], 1)
+    with torch.no_grad():
+        h_ref = ref(position_ids=torch.arange(n_ctx + 4)[None].expand(len(anchors), -1), noise_embedding=embed[block],
+                    target_hidden=features, attention_mask=None)
+        logits_ref = ref.apply_logits_head(h_ref @ lm_head.T, prev_token_ids=prev, hidden_states=h_ref)
+        conf_ref = ref.predict_confidence(h_ref, prev_token_ids=prev)
+    drafter.setup_cache(len(anchors), 64)
+    drafter.append_context(features)
+    h = drafter.block_hidden(anchors)
+    assert (h - h_ref).abs().max() <= TOL
+    assert (drafter.block_logits(h, prev) - logits_ref[..., drafter.vocab_ids]).abs().max() <= TOL * 10
+    assert (drafter.confidence_logits(h, prev) - conf_ref).abs().max() <= TOL
+
+
+def test_export_refuses_llama_layers(tmp_path, capsys):
+    """A drafter of a Llama-family target (no q/k norms) has no exact Qwen3DSparkModel form."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from published import hf_tokenizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    hf_tokenizer().save_pretrained(tmp_path / "llama")
+    llama = load_model(str(tmp_path / "llama"))
+    suite_block_drafter(llama, tmp_path / "suite")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["export", "--drafter", str(tmp_path / "suite"), "--target", llama.path, "--format", "deepspec",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Qwen3 layers" in err and err.count("\n") == 1 and not (tmp_path / "out").exists()

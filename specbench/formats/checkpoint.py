@@ -90,6 +90,18 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors with no two sharing storage (safetensors refuses shared ones, e.g.
+    the embedding and lm_head copies of a target with tied embeddings)."""
+    out, seen = {}, set()
+    for name, t in state.items():
+        t = t.detach().contiguous().cpu()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        out[name] = t.clone() if key in seen else t
+        seen.add(key)
+    return out
+
+
 def write_checkpoint(out: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
     """config.json + model.safetensors into `out`, all or nothing: written into a temporary sibling
     directory that is renamed into place only when complete (no half-written checkpoint)."""
@@ -100,8 +112,10 @@ def write_checkpoint(out: Path, config: dict, state: dict[str, torch.Tensor]) ->
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / WEIGHTS),
-                  metadata={"format": "pt"})
+        save_file(unshared(state), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

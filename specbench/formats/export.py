@@ -12,11 +12,17 @@ What is exact, and what is refused (docs/formats.md, "Export"):
     the mask vector instead of its embedding). Both layouts predict from every slot.
   * specforge: the suite's EAGLE head → `LlamaForCausalLMEagle3` with the whole vocabulary as its
     draft vocabulary (d2t all zeros) and the target's embedding and lm_head as its copies.
+  * DeepSpec's layout is Qwen3's: a drafter whose layers have no q/k norms (a Llama-family target,
+    e.g. the shipped SmolLM2 drafters) or q/k/v biases (Qwen2) is refused;
+  * a drafter with a reduced draft vocabulary (the shipped ones: 8192 of 49152 tokens) cannot be
+    written exactly (the published block layouts score the whole vocabulary: nothing gives the other
+    tokens zero probability); it is refused unless `--full-vocabulary` asks to lift it: W2 gets
+    zero rows outside the subset, so on the subset the logits are exactly the suite's, and the other
+    tokens are scored by the target's own lm_head rows with no Markov bias (a different drafter
+    outside the subset, said on the command's output);
   * refused: DSpark / DFlash in the SpecForge or z-lab DFlash layouts (they take the mask slots'
     input from the target's own embedding row, which cannot carry a learned vector, and z-lab's
-    DFlash reads the mask slots only), drafters with a reduced draft vocabulary (the published
-    block layouts score the whole vocabulary: no way to give the other tokens zero probability),
-    and fixed-K draft LMs (already plain causal LMs: use `save_pretrained`-style directories).
+    DFlash reads the mask slots only), and fixed-K draft LMs (already plain causal LMs).
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=FORMATS, help="deepspec (DSpark/DFlash), specforge (EAGLE-3)")
     p.add_argument("--out", required=True, help="a new (or empty) directory to write config.json + model.safetensors")
     p.add_argument("--target", help="the drafter's target (default: the target its drafter.json names)")
+    p.add_argument("--full-vocabulary", action="store_true",
+                   help="lift a reduced draft vocabulary to the whole one (exact on the subset; docs/formats.md)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=main)
     return p
@@ -56,7 +64,7 @@ def target_spec(drafter: str) -> str:
     return name
 
 
-def export(drafter_spec: str, fmt: str, out: Path, target) -> Path:
+def export(drafter_spec: str, fmt: str, out: Path, target, full_vocabulary: bool = False) -> Path:
     """Write the suite drafter `drafter_spec` (for `target`, a loading.LoadedModel) as `fmt`."""
     from specbench.drafters import CONFIG_NAME, resolve_checkpoint
     from specbench.formats import checkpoint, deepspec, eagle3
@@ -71,9 +79,15 @@ def export(drafter_spec: str, fmt: str, out: Path, target) -> Path:
         from specbench.dspark_model import load_dspark_drafter
 
         drafter = load_dspark_drafter(drafter_spec, target)
-        if drafter.args.draft_vocab:
+        m = drafter.args.model_args
+        if not m.qk_norm or m.attention_bias:
+            raise UserError(f"drafter {drafter_spec}: DeepSpec's Qwen3DSparkModel has Qwen3 layers (q/k norms, no "
+                            f"q/k/v bias); this drafter's layers follow its {m.extra.get('model_type', 'llama')} target "
+                            f"(qk_norm={m.qk_norm}, attention_bias={m.attention_bias}), so it cannot be written exactly")
+        if drafter.args.draft_vocab and not full_vocabulary:
             raise UserError(f"drafter {drafter_spec} drafts from a reduced vocabulary of {drafter.args.draft_vocab} "
-                            "tokens; the DeepSpec layout scores the whole vocabulary, so it cannot be exported exactly")
+                            "tokens; the DeepSpec layout scores the whole vocabulary, so it cannot be exported exactly "
+                            "(--full-vocabulary lifts it: exact on the subset, the target's head elsewhere)")
         if not target.eos_token_ids:
             raise UserError(f"target {target.name!r} has no end-of-sequence id to serve as the mask token")
         mask_id = int(target.eos_token_ids[0])
@@ -81,6 +95,11 @@ def export(drafter_spec: str, fmt: str, out: Path, target) -> Path:
         embed = state["embed_tokens.weight"].detach().clone()
         embed[mask_id] = drafter.mask_embedding.detach().to(embed.dtype)
         state["embed_tokens.weight"] = embed
+        if drafter.args.draft_vocab and drafter.markov_w2 is not None:
+            w2 = state["markov_head.markov_w2.weight"]  # [V_d, r]: row j is token vocab_ids[j]
+            lifted = w2.new_zeros(drafter.args.model_args.vocab_size, w2.shape[1])
+            lifted[drafter.vocab_ids.to(w2.device)] = w2
+            state["markov_head.markov_w2.weight"] = lifted
         config = deepspec.export_config(drafter, target_config, mask_id)
     elif kind == "eagle":
         if fmt != "specforge":
@@ -105,6 +124,7 @@ def main(args) -> int:
     from specbench.loading import load_model
 
     target = load_model(args.target or target_spec(args.drafter), device=args.device)
-    out = export(args.drafter, args.format, Path(args.out), target)
-    print(f"wrote {out} ({args.format})")
+    out = export(args.drafter, args.format, Path(args.out), target, full_vocabulary=args.full_vocabulary)
+    lifted = " with its draft vocabulary lifted to the whole vocabulary" if args.full_vocabulary else ""
+    print(f"wrote {out} ({args.format}){lifted}")
     return 0
