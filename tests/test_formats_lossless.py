@@ -33,12 +33,11 @@ def decode(model, policy, prompts, batch_size, config):
 
 @pytest.fixture(scope="module")
 def published_dirs(tmp_path_factory):
-    torch._dynamo.config.disable = True  # SpecForge's EAGLE-3 RMSNorm is @torch.compile'd; eager is the same function
     root = tmp_path_factory.mktemp("published")
-    dirs = {"dspark": save(specforge_dspark("rnn"), root / "dspark"), "dflash": save(zlab_dflash(), root / "dflash"),
-            "eagle3": save(specforge_eagle3(), root / "eagle3")}
-    torch._dynamo.config.disable = False
-    return dirs
+    # SpecForge's EAGLE-3 RMSNorm is @torch.compile'd; eager runs the same function.
+    with torch._dynamo.config.patch(disable=True):
+        return {"dspark": save(specforge_dspark("rnn"), root / "dspark"), "dflash": save(zlab_dflash(), root / "dflash"),
+                "eagle3": save(specforge_eagle3(), root / "eagle3")}
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
