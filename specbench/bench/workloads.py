@@ -9,7 +9,8 @@ Spec keys (all TOML top-level unless noted):
 ``name``, ``description``, ``use_chat_template`` (bool), ``system_prompt`` (optional),
 ``max_new_tokens``, ``count`` (requests used when no limit is given), ``turns`` (turns kept
 per request; longer requests are truncated), ``categories`` (allowed category values),
-``synthetic`` (bool), ``license`` (provenance note);
+``synthetic`` (bool), ``license`` (provenance note), ``chat_template_kwargs`` (a table passed to
+the chat template, e.g. ``{enable_thinking = false}``);
 ``[source]``: ``kind`` = ``package_file`` (``distribution``, ``file`` inside it, ``install``
 command), ``jsonl`` (``path``, relative to the spec) or ``synthetic`` (``generator``,
 ``seed``); field mapping ``id_field``, ``text_field`` *or* ``turns_field``, ``category_field``
@@ -29,7 +30,7 @@ import importlib.util
 import json
 import random
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -58,6 +59,9 @@ class Workload:
     system_prompt: str | None
     synthetic: bool
     spec_path: str | None
+    # Extra arguments of the tokenizer's chat template, e.g. {"enable_thinking": False} for
+    # Qwen3's non-thinking mode (DeepSpec's evaluation protocol).
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- discovery
@@ -240,6 +244,7 @@ def _load_spec(spec_path: Path, limit: int | None) -> Workload:
     n_turns = get("turns", int, None)
     categories = get("categories", list, None)
     synthetic = get("synthetic", bool, False)
+    chat_template_kwargs = get("chat_template_kwargs", dict, {})
     source = get("source", dict)
     prompt = get("prompt", dict, {})
     template = prompt.get("template", "{prompt}")
@@ -296,6 +301,7 @@ def _load_spec(spec_path: Path, limit: int | None) -> Workload:
         system_prompt=system_prompt,
         synthetic=synthetic,
         spec_path=str(spec_path),
+        chat_template_kwargs=chat_template_kwargs,
     )
 
 
@@ -504,7 +510,8 @@ def render_prompt(tokenizer, workload: Workload, history: Sequence) -> list[int]
         msgs = [{"role": "system", "content": system}] + msgs
 
     if workload.use_chat_template:
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                            **workload.chat_template_kwargs)
         return _to_id_list(out)
     text = "\n\n".join(m["content"] for m in msgs)
     return _to_id_list(tokenizer.encode(text, add_special_tokens=False))

@@ -30,7 +30,7 @@ SWEEP_RECORDS = "records.jsonl"
 SWEEP_SETTINGS = "sweep.json"
 
 
-COMMAND_NAMES = ("run", "sweep", "compare", "report", "list", "simulate", "train", "corpus", "calibrate", "profile", "regress")
+COMMAND_NAMES = ("run", "sweep", "compare", "report", "list", "simulate", "train", "corpus", "calibrate", "profile", "regress", "export")
 
 
 def _version() -> str:
@@ -126,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     from specbench.cli import regress as regress_cli
     from specbench.cli import simulate as simulate_cli
     from specbench.cli import train as train_cli
+    from specbench.drafters.formats import export as formats_export
 
     train_cli.add_parser(sub)
     train_cli.add_corpus_parser(sub)
     regress_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
+    formats_export.add_parser(sub)
 
     cal = sub.add_parser("calibrate", help="fit DSpark's STS temperatures on held-out rollouts",
                          description="Fit Sequential Temperature Scaling for a DSpark drafter and store it beside the drafter.")

@@ -190,8 +190,9 @@ class Eagle(Policy):
 def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str = "tree", depth: int = 5,
                 top_k: int = 10, total_tokens: int = 60, draft_vocab: int = 0) -> Policy:
     from specbench.drafters.eagle import load_eagle_head
+    from specbench.drafters.formats import load_drafter_any
 
-    return Eagle(load_eagle_head(drafter, target), mode=mode, depth=depth, top_k=top_k,
+    return Eagle(load_drafter_any(drafter, target, ("eagle",), load_eagle_head), mode=mode, depth=depth, top_k=top_k,
                  total_tokens=total_tokens, draft_vocab=draft_vocab, drafter=drafter)
 
 

@@ -110,9 +110,10 @@ def build_pld(target, k: int = 4, min_ngram: int = 1, max_ngram: int = 3) -> Pol
 
 def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
     from specbench.drafters.checkpoints import load_draft_lm
+    from specbench.drafters.formats import load_drafter_any
     from specbench.policies.fixed_k import FixedK
 
-    return FixedK(load_draft_lm(drafter, target), k=k, drafter=drafter)
+    return FixedK(load_drafter_any(drafter, target, ("draft-lm",), load_draft_lm), k=k, drafter=drafter)
 
 
 def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
@@ -129,9 +130,12 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     from specbench.drafters.dspark import load_dspark_drafter
     from specbench.policies.dspark import DSpark
 
-    model = load_dspark_drafter(drafter, target)
+    from specbench.drafters.formats import is_published, load_drafter_any
+
+    model = load_drafter_any(drafter, target, ("dspark", "dflash"), load_dspark_drafter)
     temperatures = None  # STS: {sampling temperature: per-position temperatures}
-    calibration = resolve_checkpoint(drafter) / "calibration.json"
+    # STS fitted by `specbench calibrate` lives beside the drafter (a published one: in its directory).
+    calibration = (Path(drafter) if is_published(drafter) else resolve_checkpoint(drafter)) / "calibration.json"
     if calibrated and calibration.is_file():
         temperatures = load_sts(calibration)
     step_seconds = draft_seconds = None
