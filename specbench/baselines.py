@@ -50,6 +50,17 @@ BASELINES = {
 BATCH1_ONLY = ("hf-assisted", "hf-pld")
 
 
+def _vllm_baselines() -> dict:
+    from specbench.vllm_engine import VLLM_BASELINES
+
+    return VLLM_BASELINES
+
+
+# vLLM's engines (specbench/vllm_engine.py) plug in at the same seam; vLLM itself runs in its own
+# Python, so nothing here imports it.
+BASELINES.update(_vllm_baselines())
+
+
 def _fixed_k_defaults() -> dict:
     try:
         from specbench.registry import read_spec
@@ -60,6 +71,10 @@ def _fixed_k_defaults() -> dict:
 
 
 def default_params(name: str) -> dict:
+    if name in _vllm_baselines():
+        from specbench import vllm_engine
+
+        return vllm_engine.default_params(name)
     if name == "hf":
         return {}
     if name == "hf-assisted":
@@ -72,6 +87,10 @@ def default_params(name: str) -> dict:
 
 def check_params(name: str, overrides: dict) -> dict:
     """Defaults merged with `overrides`; UserError for unknown names or bad values."""
+    if name in _vllm_baselines():
+        from specbench import vllm_engine
+
+        return vllm_engine.check_params(name, overrides)
     params = default_params(name)
     unknown = sorted(set(overrides) - set(params))
     if unknown:
@@ -86,6 +105,14 @@ def check_params(name: str, overrides: dict) -> dict:
     return params
 
 
+def check_ready(name: str) -> None:
+    """UserError (one line) when the baseline's engine is not installed, before any model loads."""
+    if name in _vllm_baselines():
+        from specbench.vllm_engine import find_vllm_python
+
+        find_vllm_python()
+
+
 def check_batch_size(name: str, batch_size: int) -> None:
     if name in BATCH1_ONLY and batch_size != 1:
         raise UserError(f"{name} runs at batch size 1 only (transformers' assisted generation does not batch), "
@@ -93,8 +120,8 @@ def check_batch_size(name: str, batch_size: int) -> None:
 
 
 @dataclass
-class HFRequestResult(RequestResult):
-    """A RequestResult whose counters may be unknown (None) and whose timing has no TTFT."""
+class PeerRequestResult(RequestResult):
+    """A peer engine's RequestResult: counters and TTFT may be unknown (None), τ is given."""
 
     ttft_s: float | None = None
     rounds: int | None = None
@@ -105,6 +132,11 @@ class HFRequestResult(RequestResult):
     @property
     def tau(self):
         return self.tau_value
+
+
+@dataclass
+class HFRequestResult(PeerRequestResult):
+    """transformers' generate: no TTFT, and decode_s includes the prefill (so the first token counts)."""
 
     @property
     def tokens_per_s(self):
@@ -293,6 +325,10 @@ def hf_draft_model(drafter: str, target, hf_target):
 
 def make_baseline(name: str, target, overrides: dict) -> HFEngine:
     """An engine for baseline `name` on `target` (a LoadedModel: its `path` holds the HF weights)."""
+    if name in _vllm_baselines():
+        from specbench.vllm_engine import make_vllm_baseline
+
+        return make_vllm_baseline(name, target, overrides, device=str(target.model.device))
     from transformers.utils import logging as hf_logging
 
     from specbench.loading import load_hf_reference
