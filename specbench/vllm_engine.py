@@ -32,7 +32,7 @@ Mapping to the records (docs/records.md, "vLLM baselines"):
   every position when every draft was full length, else only position 1 (vLLM's n-gram proposer
   may propose fewer than k tokens, and its counters do not say where).
 * ``policy_params`` holds the engine settings (method, k, n-gram sizes, batch-size schedule for
-  k, dtype) and ``engine`` / ``engine_version``; ``drafter`` the draft checkpoint vLLM loaded.
+  k, dtype: the target's unless set) and ``engine`` / ``engine_version``; ``drafter`` the draft checkpoint vLLM loaded.
 """
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ WORKER_SCRIPT = Path(__file__).resolve().parent / "vllm_worker.py"
 VLLM_BASELINES = {
     "vllm": "vLLM autoregressive decoding (separate vLLM Python, see scripts/setup_vllm.sh)",
     "vllm-ngram": "vLLM n-gram (prompt lookup) speculative decoding, k=4, n-gram 1..3",
+    "vllm-ngram-schedule": "vLLM n-gram with vLLM's batch-size schedule for k (k_schedule, default "
+                           "k=4 at b<=2, 2 at b<=8, 1 beyond)",
     "vllm-draft": "vLLM draft-model speculative decoding with the fixed-k draft LM, k=4",
     "vllm-eagle3": "vLLM EAGLE-3 (drafter=PATH: an EAGLE-3 checkpoint in vLLM's format)",
     "vllm-dflash": "vLLM DFlash (drafter=PATH: a DFlash checkpoint in vLLM's format)",
@@ -63,11 +65,16 @@ VLLM_BASELINES = {
 }
 
 # baseline name → vLLM's speculative method (None: no speculation)
-METHODS = {"vllm": None, "vllm-ngram": "ngram", "vllm-draft": "draft_model", "vllm-eagle3": "eagle3",
+METHODS = {"vllm": None, "vllm-ngram": "ngram", "vllm-ngram-schedule": "ngram", "vllm-draft": "draft_model", "vllm-eagle3": "eagle3",
            "vllm-dflash": "dflash", "vllm-dspark": "dspark"}
 NEEDS_VLLM_DRAFTER = ("vllm-eagle3", "vllm-dflash", "vllm-dspark")
 
-ENGINE_DEFAULTS = {"dtype": "float32", "kv_cache_gib": 2.0, "max_model_len": 4096, "enforce_eager": False}
+# An example of vLLM's num_speculative_tokens_per_batch_size: fewer drafts as the batch grows
+# (inclusive batch-size ranges → k), the static counterpart of DSpark's load-aware scheduler.
+DEFAULT_K_SCHEDULE = [[1, 2, 4], [3, 8, 2], [9, 1024, 1]]
+
+# dtype None: the target's (the suite's --dtype when it has one; float32 otherwise)
+ENGINE_DEFAULTS = {"dtype": None, "kv_cache_gib": 2.0, "max_model_len": 4096, "enforce_eager": False}
 START_TIMEOUT_S = float(os.environ.get("SPECBENCH_VLLM_START_TIMEOUT", 1800))
 
 
@@ -80,7 +87,7 @@ def default_params(name: str) -> dict:
     method = METHODS[name]
     if method is None:
         return params
-    params.update(k=4, k_schedule=None)
+    params.update(k=4, k_schedule=DEFAULT_K_SCHEDULE if name == "vllm-ngram-schedule" else None)
     if method == "ngram":
         params.update(min_ngram=1, max_ngram=3)
     elif method == "draft_model":
@@ -93,15 +100,22 @@ def default_params(name: str) -> dict:
 
 
 def check_schedule(name: str, schedule) -> list[list[int]] | None:
-    """vLLM's ``num_speculative_tokens_per_batch_size``: [[first_b, last_b, k], ...] (inclusive)."""
+    """vLLM's ``num_speculative_tokens_per_batch_size``: [[first_b, last_b, k], ...] (inclusive
+    ranges, the first starting at batch size 1); a string is read as JSON (``--param``)."""
     if schedule is None:
         return None
+    if isinstance(schedule, str):
+        try:
+            schedule = json.loads(schedule)
+        except json.JSONDecodeError:
+            raise UserError(f"baseline {name!r}: k_schedule {schedule!r} is not a JSON list") from None
     ok = isinstance(schedule, list) and schedule and all(
         isinstance(e, list) and len(e) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
         and 1 <= e[0] <= e[1] and e[2] >= 0 for e in schedule)
+    ok = ok and schedule[0][0] == 1 and all(a[1] < b[0] for a, b in zip(schedule, schedule[1:]))
     if not ok:
         raise UserError(f"baseline {name!r}: k_schedule must be a list of [first_batch_size, last_batch_size, k] "
-                        f"integer triples, got {schedule!r}")
+                        f"integer triples, sorted, not overlapping, the first from 1, got {schedule!r}")
     return [list(e) for e in schedule]
 
 
@@ -119,8 +133,8 @@ def check_params(name: str, overrides: dict) -> dict:
             raise UserError(f"baseline {name!r}: {key} must be a positive integer, got {params[key]!r}")
     if "min_ngram" in params and params["min_ngram"] > params["max_ngram"]:
         raise UserError(f"baseline {name!r}: min_ngram {params['min_ngram']} > max_ngram {params['max_ngram']}")
-    if params["dtype"] not in ("float32", "bfloat16", "float16", "auto"):
-        raise UserError(f"baseline {name!r}: dtype must be float32, bfloat16, float16 or auto, got {params['dtype']!r}")
+    if params["dtype"] not in (None, "float32", "bfloat16", "float16"):
+        raise UserError(f"baseline {name!r}: dtype must be float32, bfloat16 or float16, got {params['dtype']!r}")
     kv = params["kv_cache_gib"]
     if isinstance(kv, bool) or not isinstance(kv, (int, float)) or kv <= 0:
         raise UserError(f"baseline {name!r}: kv_cache_gib must be a positive number, got {kv!r}")
@@ -375,6 +389,8 @@ def make_vllm_baseline(name: str, target, overrides: dict, device: str = "cpu") 
     """Start the vLLM engine of baseline `name` on `target` (a LoadedModel: its `path` is the HF
     directory vLLM loads). Blocks until the engine is up (minutes on a CPU)."""
     params = check_params(name, overrides)
+    if params["dtype"] is None:  # the same dtype as the suite's own policies on this target
+        params["dtype"] = str(target.model.lm_head.weight.dtype).removeprefix("torch.")
     python = find_vllm_python()
     drafter_dir = None
     if METHODS[name] == "draft_model":

@@ -34,7 +34,9 @@ def counters(drafts=0, tokens=0, accepted=0, per_pos=()):
 
 
 def test_params_defaults_and_errors():
-    assert check_params("vllm", {})["dtype"] == "float32"
+    assert check_params("vllm", {})["dtype"] is None  # the target's
+    assert check_params("vllm-ngram-schedule", {})["k_schedule"] == vllm_engine.DEFAULT_K_SCHEDULE
+    assert check_params("vllm-ngram", {"k_schedule": "[[1, 4, 3], [5, 9, 1]]"})["k_schedule"] == [[1, 4, 3], [5, 9, 1]]
     p = check_params("vllm-ngram", {"k": 3})
     assert (p["k"], p["min_ngram"], p["max_ngram"]) == (3, 1, 3)
     assert check_params("vllm-draft", {})["drafter"]  # the fixed-k policy's draft LM
@@ -48,13 +50,16 @@ def test_params_defaults_and_errors():
         check_params("vllm", {"dtype": "int8"})
     with pytest.raises(UserError, match="k_schedule"):
         check_params("vllm-ngram", {"k_schedule": [[4, 1, 2]]})
+    for bad in ([[2, 4, 2]], [[1, 4, 2], [3, 8, 1]], "[[1, 2", [[1, 2]]):
+        with pytest.raises(UserError, match="k_schedule"):
+            check_params("vllm-ngram", {"k_schedule": bad})
     for name in ("vllm-eagle3", "vllm-dflash", "vllm-dspark"):
         with pytest.raises(UserError, match="needs drafter=PATH"):
             check_params(name, {})
 
 
 def test_engine_args():
-    ar = engine_args("vllm", check_params("vllm", {}), "/m", None)
+    ar = engine_args("vllm", check_params("vllm", {"dtype": "float32"}), "/m", None)
     assert ar["model"] == "/m" and "speculative_config" not in ar and ar["enable_prefix_caching"] is False
     ng = engine_args("vllm-ngram", check_params("vllm-ngram", {"k_schedule": [[1, 1, 4], [2, 16, 2]]}), "/m", None)
     assert ng["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
