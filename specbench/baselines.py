@@ -47,7 +47,7 @@ BASELINES = {
     "hf-assisted": "transformers assisted generation with the fixed-k draft LM as assistant_model (batch size 1)",
     "hf-pld": "transformers prompt-lookup decoding, prompt_lookup_num_tokens (batch size 1)",
 }
-BATCH1_ONLY = ("hf-assisted", "hf-pld")
+BATCH1_ONLY = ("hf-assisted", "hf-pld", "llama-cpp", "llama-cpp-pld")
 
 
 def _vllm_baselines() -> dict:
@@ -56,9 +56,16 @@ def _vllm_baselines() -> dict:
     return VLLM_BASELINES
 
 
-# vLLM's engines (specbench/vllm_engine.py) plug in at the same seam; vLLM itself runs in its own
-# Python, so nothing here imports it.
+def _llamacpp_baselines() -> dict:
+    from specbench.llamacpp_engine import LLAMACPP_BASELINES
+
+    return LLAMACPP_BASELINES
+
+
+# vLLM's engines (specbench/vllm_engine.py) and llama.cpp's (specbench/llamacpp_engine.py) plug in
+# at the same seam; vLLM runs in its own Python and llama_cpp is imported only when one is made.
 BASELINES.update(_vllm_baselines())
+BASELINES.update(_llamacpp_baselines())
 
 
 def _fixed_k_defaults() -> dict:
@@ -75,6 +82,10 @@ def default_params(name: str) -> dict:
         from specbench import vllm_engine
 
         return vllm_engine.default_params(name)
+    if name in _llamacpp_baselines():
+        from specbench import llamacpp_engine
+
+        return llamacpp_engine.default_params(name)
     if name == "hf":
         return {}
     if name == "hf-assisted":
@@ -91,6 +102,10 @@ def check_params(name: str, overrides: dict) -> dict:
         from specbench import vllm_engine
 
         return vllm_engine.check_params(name, overrides)
+    if name in _llamacpp_baselines():
+        from specbench import llamacpp_engine
+
+        return llamacpp_engine.check_params(name, overrides)
     params = default_params(name)
     unknown = sorted(set(overrides) - set(params))
     if unknown:
@@ -111,12 +126,17 @@ def check_ready(name: str) -> None:
         from specbench.vllm_engine import find_vllm_python
 
         find_vllm_python()
+    if name in _llamacpp_baselines():
+        from specbench.llamacpp_engine import check_installed
+
+        check_installed()
 
 
 def check_batch_size(name: str, batch_size: int) -> None:
     if name in BATCH1_ONLY and batch_size != 1:
-        raise UserError(f"{name} runs at batch size 1 only (transformers' assisted generation does not batch), "
-                        f"got batch size {batch_size}")
+        why = "one llama.cpp context decodes one sequence" if name.startswith("llama-cpp") else \
+            "transformers' assisted generation does not batch"
+        raise UserError(f"{name} runs at batch size 1 only ({why}), got batch size {batch_size}")
 
 
 @dataclass
@@ -329,6 +349,10 @@ def make_baseline(name: str, target, overrides: dict) -> HFEngine:
         from specbench.vllm_engine import make_vllm_baseline
 
         return make_vllm_baseline(name, target, overrides, device=str(target.model.device))
+    if name in _llamacpp_baselines():
+        from specbench.llamacpp_engine import make_llamacpp_baseline
+
+        return make_llamacpp_baseline(name, target, overrides, device=str(target.model.device))
     from transformers.utils import logging as hf_logging
 
     from specbench.loading import load_hf_reference

@@ -1,0 +1,106 @@
+"""llama.cpp baselines: round counting and parameters without llama-cpp-python, the one-line error
+when it is missing, and (when it is installed) `llama-cpp-pld` greedy == `llama-cpp` greedy on the
+default model's shipped GGUF."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from specbench.baselines import PeerRequestResult
+from specbench.errors import UserError
+from specbench.llamacpp_engine import RoundCounter, check_params, fill_counters
+
+REPO = Path(__file__).resolve().parent.parent
+HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+def test_params():
+    assert check_params("llama-cpp-pld", {})["k"] == 4
+    with pytest.raises(UserError, match="no parameter 'k'"):
+        check_params("llama-cpp", {"k": 2})
+    with pytest.raises(UserError, match="positive integer"):
+        check_params("llama-cpp-pld", {"max_ngram": 0})
+
+
+class FakeLlama:
+    """generate() with llama-cpp-python's control flow: eval the pending tokens, yield the tokens
+    the target agrees with (the script says how many drafts each round accepts), then draft."""
+
+    def __init__(self, accepts, draft_len):
+        self.accepts, self.draft_len = accepts, draft_len
+        self.draft_model = lambda ids: np.arange(draft_len)
+
+    def eval(self, tokens):
+        pass
+
+    def generate(self):
+        self.eval([1, 2, 3])  # the prompt
+        yield 10
+        for a in self.accepts:
+            self.draft_model(np.zeros(4))
+            self.eval([0] * (1 + self.draft_len))
+            for j in range(a + 1):
+                yield 11 + j
+
+
+def test_round_counter_and_counters():
+    llm = FakeLlama(accepts=[2, 0, 3], draft_len=3)
+    counter = RoundCounter(llm, llm.draft_model)
+    ids = []
+    for t in llm.generate():
+        counter.token()
+        ids.append(t)
+    assert counter.evals == 4 and counter.emitted == [1, 3, 1, 4] and counter.draft_lengths == [3, 3, 3]
+    res = PeerRequestResult(output_ids=ids, prompt_tokens=3)
+    fill_counters(res, counter.emitted, counter.draft_lengths)
+    assert (res.rounds, res.drafted, res.accepted) == (3, 9, 5)
+    assert res.trace_verify_len == [3, 3, 3] and res.trace_accepted == [2, 0, 3]
+    assert res.drafted_per_position == [3, 3, 3] and res.accepted_per_position == [2, 2, 1]
+    assert res.tau == pytest.approx((len(ids) - 1) / 3)
+    ar = PeerRequestResult(output_ids=[5, 6, 7], prompt_tokens=2)
+    fill_counters(ar, [1, 1, 1], [])
+    assert (ar.rounds, ar.drafted, ar.accepted, ar.tau) == (2, 0, 0, 1.0)
+
+
+@pytest.mark.skipif(HAVE_LLAMA_CPP, reason="llama-cpp-python is installed here")
+def test_cli_without_llama_cpp_exits_2_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "x.jsonl"
+    p = subprocess.run([sys.executable, "-m", "specbench", "run", "--policy", "llama-cpp-pld", "--workload", "code",
+                        "--limit", "1", "--out", str(out), "--no-progress"],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and not out.exists(), p.stderr[-2000:]
+    assert lines[-1].startswith("specbench: error: ") and "llama-cpp-python is not installed" in lines[-1]
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed")
+def test_pld_greedy_identical_to_llama_cpp_ar(default_model):
+    from specbench.core import SamplingConfig
+    from specbench.runner import make_engine
+    from specbench.workloads import load_workload, render_prompt
+
+    wl = load_workload("code", limit=2)
+    prompts = [render_prompt(default_model.tokenizer, wl, [("user", r.turns[0])]) for r in wl.requests]
+    ar, pld = make_engine("llama-cpp", default_model), make_engine("llama-cpp-pld", default_model)
+    assert ar.params()["dtype"] == "q4_1" and ar.params()["engine"] == "llama.cpp"
+    cfg = SamplingConfig(max_new_tokens=48)
+    drafted = 0
+    for p in prompts:
+        a = ar.decode([p], cfg, default_model.eos_token_ids).requests[0]
+        b = pld.decode([p], cfg, default_model.eos_token_ids).requests[0]
+        assert b.output_ids == a.output_ids
+        assert a.rounds == a.generated_tokens - 1 and a.drafted == 0
+        assert 0 <= b.accepted <= b.drafted and b.rounds == len(b.trace_verify_len)
+        drafted += b.drafted
+    assert drafted > 0
+    with pytest.raises(UserError, match="batch size 1"):
+        pld.decode(prompts, cfg, default_model.eos_token_ids)
