@@ -96,6 +96,15 @@ def default_params(name: str) -> dict:
     raise UserError(f"unknown baseline {name!r} (valid: {', '.join(BASELINES)})")
 
 
+def merge_params(name: str, defaults: dict, overrides: dict) -> dict:
+    """`defaults` updated with `overrides`; UserError naming the first override that is not a parameter."""
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        valid = ", ".join(defaults) or "none"
+        raise UserError(f"baseline {name!r} has no parameter {unknown[0]!r} (parameters: {valid})")
+    return {**defaults, **overrides}
+
+
 def check_params(name: str, overrides: dict) -> dict:
     """Defaults merged with `overrides`; UserError for unknown names or bad values."""
     if name in _vllm_baselines():
@@ -106,12 +115,7 @@ def check_params(name: str, overrides: dict) -> dict:
         from specbench import llamacpp_engine
 
         return llamacpp_engine.check_params(name, overrides)
-    params = default_params(name)
-    unknown = sorted(set(overrides) - set(params))
-    if unknown:
-        valid = ", ".join(params) or "none"
-        raise UserError(f"baseline {name!r} has no parameter {unknown[0]!r} (parameters: {valid})")
-    params.update(overrides)
+    params = merge_params(name, default_params(name), overrides)
     for key in ("k", "max_ngram"):
         if key in params and (isinstance(params[key], bool) or not isinstance(params[key], int) or params[key] < 1):
             raise UserError(f"baseline {name!r}: {key} must be a positive integer, got {params[key]!r}")
@@ -278,17 +282,21 @@ def _assisted_counters(res: HFRequestResult, rec: _Recorder, prompt_len: int) ->
         drafted = max(lengths[i] - (prompt_len if i == 0 else 1), 0)
         e = min(emitted[i], remaining)
         remaining -= e
-        accepted = max(min(e - 1, drafted), 0)
-        res.drafted += drafted
-        res.accepted += accepted
-        res.trace_verify_len.append(drafted)
-        res.trace_accepted.append(accepted)
-        for pos_list, m in ((res.drafted_per_position, drafted), (res.accepted_per_position, accepted)):
-            if len(pos_list) < m:
-                pos_list.extend([0] * (m - len(pos_list)))
-            for k in range(m):
-                pos_list[k] += 1
+        add_round(res, drafted, max(min(e - 1, drafted), 0))
     res.tau_value = res.generated_tokens / n
+
+
+def add_round(res: RequestResult, drafted: int, accepted: int) -> None:
+    """Count one verify round of `drafted` drafts of which the first `accepted` were accepted."""
+    res.drafted += drafted
+    res.accepted += accepted
+    res.trace_verify_len.append(drafted)
+    res.trace_accepted.append(accepted)
+    for pos_list, m in ((res.drafted_per_position, drafted), (res.accepted_per_position, accepted)):
+        if len(pos_list) < m:
+            pos_list.extend([0] * (m - len(pos_list)))
+        for k in range(m):
+            pos_list[k] += 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,11 +45,9 @@ def default_params(name: str) -> dict:
 def check_params(name: str, overrides: dict) -> dict:
     if name not in LLAMACPP_BASELINES:
         raise UserError(f"unknown llama.cpp baseline {name!r} (valid: {', '.join(LLAMACPP_BASELINES)})")
-    params = default_params(name)
-    unknown = sorted(set(overrides) - set(params))
-    if unknown:
-        raise UserError(f"baseline {name!r} has no parameter {unknown[0]!r} (parameters: {', '.join(params)})")
-    params.update(overrides)
+    from specbench.baselines import merge_params
+
+    params = merge_params(name, default_params(name), overrides)
     for key, value in params.items():
         if value is None and key == "n_threads":
             continue
@@ -111,20 +109,14 @@ class RoundCounter:
 def fill_counters(res, emitted: list[int], draft_lengths: list[int]) -> None:
     """Per round r ≥ 1 (eval r, after the prompt's): verified draft_lengths[r−1] drafts, emitted
     emitted[r] tokens. A round's drafts come from the draft call just before its eval."""
+    from specbench.baselines import add_round
+
     rounds = emitted[1:]
     res.rounds = len(rounds)
     res.drafted = res.accepted = 0
     for r, e in enumerate(rounds):
         drafted = draft_lengths[r] if r < len(draft_lengths) else 0
-        accepted = max(min(e - 1, drafted), 0)
-        res.drafted += drafted
-        res.accepted += accepted
-        res.trace_verify_len.append(drafted)
-        res.trace_accepted.append(accepted)
-        for lst, m in ((res.drafted_per_position, drafted), (res.accepted_per_position, accepted)):
-            lst.extend([0] * (m - len(lst)))
-            for k in range(m):
-                lst[k] += 1
+        add_round(res, drafted, max(min(e - 1, drafted), 0))
     res.tau_value = (res.generated_tokens - 1) / res.rounds if res.rounds else None
 
 

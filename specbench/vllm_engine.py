@@ -123,11 +123,9 @@ def check_params(name: str, overrides: dict) -> dict:
     """Defaults merged with `overrides`; UserError for unknown names or bad values."""
     if name not in VLLM_BASELINES:
         raise UserError(f"unknown vLLM baseline {name!r} (valid: {', '.join(VLLM_BASELINES)})")
-    params = default_params(name)
-    unknown = sorted(set(overrides) - set(params))
-    if unknown:
-        raise UserError(f"baseline {name!r} has no parameter {unknown[0]!r} (parameters: {', '.join(params)})")
-    params.update(overrides)
+    from specbench.baselines import merge_params
+
+    params = merge_params(name, default_params(name), overrides)
     for key in ("k", "min_ngram", "max_ngram", "max_model_len"):
         if key in params and (isinstance(params[key], bool) or not isinstance(params[key], int) or params[key] < 1):
             raise UserError(f"baseline {name!r}: {key} must be a positive integer, got {params[key]!r}")

@@ -4,20 +4,15 @@ default model's shipped GGUF."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from cli_errors import assert_one_line_error
 from specbench.baselines import PeerRequestResult
 from specbench.errors import UserError
 from specbench.llamacpp_engine import RoundCounter, check_params, fill_counters
 
-REPO = Path(__file__).resolve().parent.parent
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -71,14 +66,9 @@ def test_round_counter_and_counters():
 
 @pytest.mark.skipif(HAVE_LLAMA_CPP, reason="llama-cpp-python is installed here")
 def test_cli_without_llama_cpp_exits_2_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = tmp_path / "x.jsonl"
-    p = subprocess.run([sys.executable, "-m", "specbench", "run", "--policy", "llama-cpp-pld", "--workload", "code",
-                        "--limit", "1", "--out", str(out), "--no-progress"],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and not out.exists(), p.stderr[-2000:]
-    assert lines[-1].startswith("specbench: error: ") and "llama-cpp-python is not installed" in lines[-1]
+    assert_one_line_error(["run", "--policy", "llama-cpp-pld", "--workload", "code", "--limit", "1", "--out", str(out),
+                           "--no-progress"], tmp_path, "llama-cpp-python is not installed", out)
 
 
 @pytest.mark.model

@@ -3,9 +3,6 @@ the worker protocol (against tests/fake_vllm_worker.py), the runner and the one-
 vLLM is not installed. The real engine is tested in tests/test_vllm_smoke.py (slow)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,9 +15,9 @@ from specbench.errors import UserError
 from specbench.runner import read_records, run_sweep
 from specbench.vllm_engine import SpecCounters, batch_results, check_params, engine_args
 from specbench.vllm_worker import read_counters, request_timing
-from test_runner import FakeTokenizer, make_target, make_workload
+from cli_errors import assert_one_line_error
+from test_runner import make_target, make_workload
 
-REPO = Path(__file__).resolve().parent.parent
 FAKE_WORKER = Path(__file__).resolve().parent / "fake_vllm_worker.py"
 
 
@@ -206,12 +203,7 @@ def test_find_python_errors(monkeypatch, tmp_path):
 
 
 def test_cli_without_vllm_exits_2_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SPECBENCH_VLLM_PYTHON": str(tmp_path / "missing-python")}
     out = tmp_path / "x.jsonl"
-    p = subprocess.run([sys.executable, "-m", "specbench", "run", "--policy", "vllm-ngram", "--workload", "code",
-                        "--limit", "1", "--out", str(out), "--no-progress"],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and not out.exists(), p.stderr[-2000:]
-    assert lines[-1].startswith("specbench: error: ") and "SPECBENCH_VLLM_PYTHON" in lines[-1]
-    assert not any("Traceback" in l for l in lines)
+    assert_one_line_error(["run", "--policy", "vllm-ngram", "--workload", "code", "--limit", "1", "--out", str(out),
+                           "--no-progress"], tmp_path, "SPECBENCH_VLLM_PYTHON", out,
+                          env_extra={"SPECBENCH_VLLM_PYTHON": str(tmp_path / "missing-python")})
