@@ -28,11 +28,13 @@ Mapping to the records (docs/records.md, "vLLM baselines"):
   its other records carry null counters; every record of the batch gets the batch's τ. Sums over
   a cell (acceptance rate, pooled τ, per-position acceptance) are then exact; at batch size 1
   every number is the request's own. ``rounds`` = Σ(generated − 1) − accepted (each verify round
-  emits its accepted drafts and one more token); ``drafted_per_position`` = ``num_drafts`` at
+  emits its accepted drafts and one more token; drafts vLLM accepted past a stop token or the
+  budget and then dropped make it slightly low); ``drafted_per_position`` = ``num_drafts`` at
   every position when every draft was full length, else only position 1 (vLLM's n-gram proposer
   may propose fewer than k tokens, and its counters do not say where).
 * ``policy_params`` holds the engine settings (method, k, n-gram sizes, batch-size schedule for
-  k, dtype: the target's unless set) and ``engine`` / ``engine_version``; ``drafter`` the draft checkpoint vLLM loaded.
+  k, dtype: the target's unless set) and ``engine`` / ``engine_version``; ``drafter`` the draft
+  checkpoint vLLM loaded.
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ VLLM_BASELINES = {
 }
 
 # baseline name → vLLM's speculative method (None: no speculation)
-METHODS = {"vllm": None, "vllm-ngram": "ngram", "vllm-ngram-schedule": "ngram", "vllm-draft": "draft_model", "vllm-eagle3": "eagle3",
-           "vllm-dflash": "dflash", "vllm-dspark": "dspark"}
+METHODS = {"vllm": None, "vllm-ngram": "ngram", "vllm-ngram-schedule": "ngram", "vllm-draft": "draft_model",
+           "vllm-eagle3": "eagle3", "vllm-dflash": "dflash", "vllm-dspark": "dspark"}
 NEEDS_VLLM_DRAFTER = ("vllm-eagle3", "vllm-dflash", "vllm-dspark")
 
 # An example of vLLM's num_speculative_tokens_per_batch_size: fewer drafts as the batch grows
@@ -75,7 +77,6 @@ DEFAULT_K_SCHEDULE = [[1, 2, 4], [3, 8, 2], [9, 1024, 1]]
 
 # dtype None: the target's (the suite's --dtype when it has one; float32 otherwise)
 ENGINE_DEFAULTS = {"dtype": None, "kv_cache_gib": 2.0, "max_model_len": 4096, "enforce_eager": False}
-START_TIMEOUT_S = float(os.environ.get("SPECBENCH_VLLM_START_TIMEOUT", 1800))
 
 
 # ---------------------------------------------------------------------------------------------
