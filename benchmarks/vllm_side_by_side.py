@@ -20,6 +20,7 @@ engines are slowed unevenly (vLLM binds its compute to fixed cores; the suite's 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,7 @@ def side_by_side(out: Path) -> str:
                 f"{fmt(thr_ratio, '.2f')}× | {fmt(v.get('tau'), '.2f')} | {fmt(v.get('acceptance_rate'), '.2f')} |")
         lines.append("")
     env = stats.environment(df)
-    lines += ["### Environment", "", "```", env.to_string(index=False), "```", ""]
+    lines += ["### Environment", ""] + [f"- {r['field']}: {r['value']}" for _, r in env.iterrows()] + [""]
     return "\n".join(lines)
 
 
@@ -84,6 +85,9 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     py = sys.executable
+    if os.environ.get("OMP_NUM_THREADS"):
+        print(f"note: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} limits the suite's torch threads; "
+              "unset it to give the suite every core (vLLM picks its own threads)", file=sys.stderr)
     if not args.tables_only:
         run([py, "-m", "specbench", "sweep", "--policies", args.policies, "--workloads", args.workloads,
              "--batch-sizes", args.batch_sizes, "--limit", str(args.limit), "--max-new-tokens",
