@@ -41,43 +41,66 @@ import torch
 from specbench.engine.core import BatchResult, RequestResult, SamplingConfig
 from specbench.errors import UserError
 from specbench.bench.engines import Engine
+from specbench.bench.peers import PeerRequestResult, add_round, fixed_k_defaults, hf_draft_model, merge_params  # noqa: F401 (re-exported)
 
 BASELINES = {
     "hf": "transformers generate() on the same weights (any batch size, left padding)",
     "hf-assisted": "transformers assisted generation with the fixed-k draft LM as assistant_model (batch size 1)",
     "hf-pld": "transformers prompt-lookup decoding, prompt_lookup_num_tokens (batch size 1)",
 }
-BATCH1_ONLY = ("hf-assisted", "hf-pld")
+BATCH1_ONLY = ("hf-assisted", "hf-pld", "llama-cpp", "llama-cpp-pld")
 
 
-def _fixed_k_defaults() -> dict:
-    try:
-        from specbench.policies.registry import read_spec
+def _vllm_baselines() -> dict:
+    from specbench.bench.vllm_engine import VLLM_BASELINES
 
-        return dict(read_spec("fixed-k").get("params", {}))
-    except UserError:
-        return {"k": 4, "drafter": "truncate:8"}
+    return VLLM_BASELINES
+
+
+def _llamacpp_baselines() -> dict:
+    from specbench.bench.llamacpp_engine import LLAMACPP_BASELINES
+
+    return LLAMACPP_BASELINES
+
+
+# vLLM's engines (specbench/bench/vllm_engine.py) and llama.cpp's (specbench/bench/llamacpp_engine.py) plug in
+# at the same seam; vLLM runs in its own Python and llama_cpp is imported only when one is made.
+BASELINES.update(_vllm_baselines())
+BASELINES.update(_llamacpp_baselines())
+
 
 
 def default_params(name: str) -> dict:
+    if name in _vllm_baselines():
+        from specbench.bench import vllm_engine
+
+        return vllm_engine.default_params(name)
+    if name in _llamacpp_baselines():
+        from specbench.bench import llamacpp_engine
+
+        return llamacpp_engine.default_params(name)
     if name == "hf":
         return {}
     if name == "hf-assisted":
-        d = _fixed_k_defaults()
+        d = fixed_k_defaults()
         return {"k": int(d.get("k", 4)), "drafter": str(d.get("drafter", "truncate:8"))}
     if name == "hf-pld":
         return {"k": 4, "max_ngram": 3}
     raise UserError(f"unknown baseline {name!r} (valid: {', '.join(BASELINES)})")
 
 
+
 def check_params(name: str, overrides: dict) -> dict:
     """Defaults merged with `overrides`; UserError for unknown names or bad values."""
-    params = default_params(name)
-    unknown = sorted(set(overrides) - set(params))
-    if unknown:
-        valid = ", ".join(params) or "none"
-        raise UserError(f"baseline {name!r} has no parameter {unknown[0]!r} (parameters: {valid})")
-    params.update(overrides)
+    if name in _vllm_baselines():
+        from specbench.bench import vllm_engine
+
+        return vllm_engine.check_params(name, overrides)
+    if name in _llamacpp_baselines():
+        from specbench.bench import llamacpp_engine
+
+        return llamacpp_engine.check_params(name, overrides)
+    params = merge_params(name, default_params(name), overrides)
     for key in ("k", "max_ngram"):
         if key in params and (isinstance(params[key], bool) or not isinstance(params[key], int) or params[key] < 1):
             raise UserError(f"baseline {name!r}: {key} must be a positive integer, got {params[key]!r}")
@@ -86,25 +109,29 @@ def check_params(name: str, overrides: dict) -> dict:
     return params
 
 
+def check_ready(name: str) -> None:
+    """UserError (one line) when the baseline's engine is not installed, before any model loads."""
+    if name in _vllm_baselines():
+        from specbench.bench.vllm_engine import find_vllm_python
+
+        find_vllm_python()
+    if name in _llamacpp_baselines():
+        from specbench.bench.llamacpp_engine import check_installed
+
+        check_installed()
+
+
 def check_batch_size(name: str, batch_size: int) -> None:
     if name in BATCH1_ONLY and batch_size != 1:
-        raise UserError(f"{name} runs at batch size 1 only (transformers' assisted generation does not batch), "
-                        f"got batch size {batch_size}")
+        why = "one llama.cpp context decodes one sequence" if name.startswith("llama-cpp") else \
+            "transformers' assisted generation does not batch"
+        raise UserError(f"{name} runs at batch size 1 only ({why}), got batch size {batch_size}")
+
 
 
 @dataclass
-class HFRequestResult(RequestResult):
-    """A RequestResult whose counters may be unknown (None) and whose timing has no TTFT."""
-
-    ttft_s: float | None = None
-    rounds: int | None = None
-    drafted: int | None = None
-    accepted: int | None = None
-    tau_value: float | None = None
-
-    @property
-    def tau(self):
-        return self.tau_value
+class HFRequestResult(PeerRequestResult):
+    """transformers' generate: no TTFT, and decode_s includes the prefill (so the first token counts)."""
 
     @property
     def tokens_per_s(self):
@@ -226,73 +253,26 @@ def _assisted_counters(res: HFRequestResult, rec: _Recorder, prompt_len: int) ->
         drafted = max(lengths[i] - (prompt_len if i == 0 else 1), 0)
         e = min(emitted[i], remaining)
         remaining -= e
-        accepted = max(min(e - 1, drafted), 0)
-        res.drafted += drafted
-        res.accepted += accepted
-        res.trace_verify_len.append(drafted)
-        res.trace_accepted.append(accepted)
-        for pos_list, m in ((res.drafted_per_position, drafted), (res.accepted_per_position, accepted)):
-            if len(pos_list) < m:
-                pos_list.extend([0] * (m - len(pos_list)))
-            for k in range(m):
-                pos_list[k] += 1
+        add_round(res, drafted, max(min(e - 1, drafted), 0))
     res.tau_value = res.generated_tokens / n
+
 
 
 # ---------------------------------------------------------------------------------------------
 # Building
 
 
-def hf_draft_model(drafter: str, target, hf_target):
-    """The fixed-k draft LM as a transformers model: `self`, `truncate:N`, or a trained checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = copy.deepcopy(hf_target.config)
-    base_state = hf_target.state_dict()
-    n_target = cfg.num_hidden_layers
-    if drafter == "self" or drafter.startswith("truncate:"):
-        n = n_target
-        if drafter != "self":
-            try:
-                n = int(drafter.split(":", 1)[1])
-            except ValueError:
-                raise UserError(f"drafter {drafter!r}: expected truncate:N with an integer N") from None
-            if not 1 <= n <= n_target:
-                raise UserError(f"drafter {drafter!r}: N must be between 1 and {n_target}")
-        state = {k: v for k, v in base_state.items()
-                 if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < n}
-        overrides = {"num_hidden_layers": n}
-    else:
-        from specbench.drafters.checkpoints import read_checkpoint
-
-        config, ckpt = read_checkpoint(drafter, target, kind="draft-lm")
-        a = config["model_args"]
-        overrides = {"num_hidden_layers": a["n_layers"], "hidden_size": a["dim"], "num_attention_heads": a["n_heads"],
-                     "num_key_value_heads": a["n_kv_heads"], "intermediate_size": a["intermediate_size"],
-                     "head_dim": a.get("head_dim") or a["dim"] // a["n_heads"], "rms_norm_eps": a.get("norm_eps", 1e-5)}
-        state = dict(ckpt)
-        for k in ("model.embed_tokens.weight", "lm_head.weight"):
-            if k in base_state:
-                state[k] = base_state[k]
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types)[: cfg.num_hidden_layers]
-    dtype = next(hf_target.parameters()).dtype
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise UserError(f"drafter {drafter!r} does not fit a transformers {cfg.model_type} model "
-                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
-    model.to(hf_target.device).eval().requires_grad_(False)
-    return model
-
 
 def make_baseline(name: str, target, overrides: dict) -> HFEngine:
     """An engine for baseline `name` on `target` (a LoadedModel: its `path` holds the HF weights)."""
+    if name in _vllm_baselines():
+        from specbench.bench.vllm_engine import make_vllm_baseline
+
+        return make_vllm_baseline(name, target, overrides, device=str(target.model.device))
+    if name in _llamacpp_baselines():
+        from specbench.bench.llamacpp_engine import make_llamacpp_baseline
+
+        return make_llamacpp_baseline(name, target, overrides, device=str(target.model.device))
     from transformers.utils import logging as hf_logging
 
     from specbench.engine.loading import load_hf_reference

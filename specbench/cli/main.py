@@ -250,6 +250,7 @@ def check_policy(name: str, overrides: dict, batch_sizes) -> str:
 
     if name in baselines.BASELINES:
         baselines.check_params(name, overrides)
+        baselines.check_ready(name)
         for b in batch_sizes:
             baselines.check_batch_size(name, b)
         return name

@@ -46,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", help="the drafter's target (default: the target its drafter.json names)")
     p.add_argument("--full-vocabulary", action="store_true",
                    help="lift a reduced draft vocabulary to the whole one (exact on the subset; docs/formats.md)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where to load the drafter and target to check them (default cpu)")
     p.set_defaults(func=main)
     return p
 
