@@ -112,3 +112,63 @@ def test_commit_appends_cuts_at_eos_and_budget():
     assert state.lengths.tolist() == [5, 5, 7]
     assert state.tokens[0, 3:5].tolist() == [5, 6] and state.tokens[1, 3:5].tolist() == [5, 9]
     assert state.tokens[2, 6].item() == 8
+
+
+# --------------------------------------------------------------------------- packed q/k/v projections
+
+
+def _decode_logits(model, prompt, steps=3):
+    """Logits of a prefill then `steps` one-token decode steps (the GEMV path at b = 1)."""
+    from specbench.engine.core import forward_new_tokens
+
+    model.setup_cache(1, 64)
+    tokens = torch.tensor([prompt])
+    out = [forward_new_tokens(model, tokens, torch.zeros(1, dtype=torch.long))[0][:, -1]]
+    length = len(prompt)
+    for _ in range(steps):
+        nxt = out[-1].argmax(-1, keepdim=True)
+        out.append(forward_new_tokens(model, nxt, torch.tensor([length]))[0][:, -1])
+        length += 1
+    return torch.cat(out)
+
+
+def test_packed_qkv_is_used_survives_casts_and_matches_the_separate_projections():
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(dtype=dtype)
+        attn = model.model.layers[0].self_attn
+        with torch.inference_mode():
+            assert attn._packed(), "a fresh (and cast) model projects q/k/v with one packed matrix"
+            packed = _decode_logits(model, [1, 2, 3, 4])
+            for layer in model.model.layers:  # the three separate projections, same weights
+                layer.self_attn.qkv_weight = None
+            assert not attn._packed()
+            separate = _decode_logits(model, [1, 2, 3, 4])
+        assert torch.equal(packed, separate), dtype
+    model = tiny_model().to(torch.bfloat16)  # .to() replaces parameter storage: _apply packs again
+    assert model.model.layers[0].self_attn._packed()
+    assert model.model.layers[0].self_attn.qkv_weight.dtype == torch.bfloat16
+
+
+def test_packed_qkv_follows_weight_writes_and_falls_back_when_a_weight_is_replaced():
+    model = tiny_model()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2.0)  # an in-place write (what load_state_dict does) lands in the pack
+    rows = attn.q_proj.weight.shape[0]
+    assert torch.equal(attn.qkv_weight[rows:rows + attn.k_proj.weight.shape[0]], attn.k_proj.weight)
+    attn.v_proj.weight = torch.nn.Parameter(attn.v_proj.weight.detach().clone(), requires_grad=False)
+    assert not attn._packed()  # a replaced parameter: the separate projections, never a stale pack
+    with torch.inference_mode():
+        _decode_logits(model, [1, 2, 3])
+
+
+def test_packed_qkv_never_bypasses_gradients():
+    model = tiny_model().requires_grad_(True)
+    attn = model.model.layers[0].self_attn
+    assert not attn._packed()  # grad enabled and trainable weights: the parameters themselves run
+    x = torch.randn(1, 2, model.args.dim)
+    cos, sin = torch.ones(1, 2, 1, attn.head_dim), torch.zeros(1, 2, 1, attn.head_dim)
+    model.setup_cache(1, 64)
+    mask = torch.ones(1, 2, 64, dtype=torch.bool)
+    attn(x, cos, sin, torch.tensor([[0, 1]]), mask).sum().backward()
+    assert attn.q_proj.weight.grad is not None and attn.v_proj.weight.grad is not None

@@ -41,6 +41,7 @@ def checked_type(convert, valid, expected: str, must: str):
 
 positive_int = checked_type(int, lambda v: v > 0, "a positive integer", "must be a positive integer")
 nonneg_int = checked_type(int, lambda v: v >= 0, "an integer ≥ 0", "must be ≥ 0")
+positive_float = checked_type(float, lambda v: math.isfinite(v) and v > 0, "a number > 0", "must be a finite number > 0")
 nonneg_float = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0", "must be a finite number ≥ 0")
 fraction = checked_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)", "must be in [0, 1)")
 temperature = checked_type(float, lambda v: math.isfinite(v) and v >= 0, "a number ≥ 0",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from specbench.cli.args import positive_float, positive_int
 from specbench.errors import UserError
 
 # policy -> module with `train(target, data, out_dir, *, budget, seed, resume, progress, policy)`
@@ -39,6 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m", help="target model spec (default: %(default)s)")
     p.add_argument("--budget", default="small", choices=list(BUDGETS),
                    help="tiny: seconds (tests); small (the default): the 2-core CPU, under an hour; full: one H200, minutes")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="optimizer steps (default: the budget's); e.g. to scale a run to a corpus' size")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the budget's)")
+    p.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default: the budget's)")
     p.add_argument("--out", help="output directory for the drafter (default: in the cache)")
     p.add_argument("--data", help="training-data directory (built there if it holds none)")
     p.add_argument("--corpus", help="train on this corpus (python -m specbench corpus): the target's features "
@@ -74,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
     from specbench.train.data import TrainingData, build_training_data, default_data_dir
 
     trainer = trainer_for(args.policy)
-    budget = get_budget(args.budget)
+    budget = get_budget(args.budget, steps=getattr(args, "steps", None), batch_size=getattr(args, "batch_size", None),
+                        lr=getattr(args, "lr", None))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")

@@ -98,20 +98,25 @@ def _rope_scaling(c: dict) -> dict | None:
 FOLD_GQA_HEADS = True
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, except that a one-row bf16 input on a CPU runs as a matrix-vector product:
+    torch.mv gives bit-identical results there and took 0.57-0.78x the time of F.linear's GEMM
+    path for every SmolLM2-135M projection (576x576 to the 49152x576 head; Xeon with AMX, torch
+    2.13, min of 25 interleaved calls; fp32 showed no difference). A b = 1 decode step is ~180
+    such calls."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
+        y = torch.mv(weight, x.reshape(-1))
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], -1)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) whose one-row bf16 case on a CPU runs as a
-    matrix-vector product: torch.mv gives bit-identical results there and took 0.57-0.78x the time
-    of F.linear's GEMM path for every SmolLM2-135M projection (576x576 to the 49152x576 head;
-    Xeon with AMX, torch 2.13, min of 25 interleaved calls; fp32 showed no difference). A b = 1
-    decode step is 211 such calls."""
+    """nn.Linear (same parameters and state-dict names) through `linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
-            y = torch.mv(self.weight, x.reshape(-1))
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], -1)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def fold_mask(mask: Tensor, group: int) -> Tensor:
@@ -150,15 +155,58 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.k_cache: Tensor | None = None  # [max_batch, n_kv_heads, max_seq, head_dim]
         self.v_cache: Tensor | None = None
+        self.qkv_weight: Tensor | None = None  # see pack_qkv
+        self.qkv_bias: Tensor | None = None
+
+    def pack_qkv(self) -> None:
+        """Put the q, k and v projection weights (and biases) into one [(nh + 2·nkv)·hd, dim]
+        tensor and make the three parameters views of it, so a forward projects with one matrix
+        product instead of three. Names, state dicts and in-place loads are unchanged (the
+        parameters are still q_proj.weight, …; writes to them land in the packed tensor).
+
+        Why: at b = 1 the 192x576 k/v and 576x576 q GEMVs are too small to stream their weights
+        at full speed (bf16, 2 threads: 3.3 / 6.5 GB/s against 13.6 GB/s for the packed 960x576;
+        docs/performance.md "Packed q/k/v projections"). For a GEMV each output is its own
+        dot product, so the packed product is bit-identical to the three separate ones; a GEMM
+        (prefill) may block its work differently and round differently in bf16."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad(), torch.inference_mode(False):
+            weight = torch.cat([p.weight.detach() for p in projections])
+            bias = torch.cat([p.bias.detach() for p in projections]) if self.q_proj.bias is not None else None
+            start = 0
+            for p in projections:
+                rows = p.weight.shape[0]
+                requires_grad = p.weight.requires_grad
+                p.weight = nn.Parameter(weight[start:start + rows], requires_grad=requires_grad)
+                if bias is not None:
+                    p.bias = nn.Parameter(bias[start:start + rows], requires_grad=requires_grad)
+                start += rows
+        self.qkv_weight, self.qkv_bias = weight, bias
+
+    def _packed(self) -> bool:
+        """Whether the q/k/v parameters are still views of the packed tensor (a .to(), an
+        assigning load or a replaced parameter breaks that), and no gradient must reach them."""
+        w = self.qkv_weight
+        if w is None or (torch.is_grad_enabled() and self.q_proj.weight.requires_grad):
+            return False
+        q_rows = self.q_proj.weight.shape[0]
+        step = w.stride(0) * w.element_size()
+        return (self.q_proj.weight.data_ptr() == w.data_ptr()
+                and self.k_proj.weight.data_ptr() == w.data_ptr() + q_rows * step
+                and self.v_proj.weight.data_ptr() == w.data_ptr() + (q_rows + self.k_proj.weight.shape[0]) * step)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
                 folded_mask: Tensor | None = None) -> Tensor:
         """folded_mask: fold_mask(mask, group), when the caller built it once for all layers."""
         b, q, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
-        xq = self.q_proj(x).view(b, q, nh, hd)
-        xk = self.k_proj(x).view(b, q, nkv, hd)
-        xv = self.v_proj(x).view(b, q, nkv, hd)
+        if self._packed():
+            xq, xk, xv = linear(x, self.qkv_weight, self.qkv_bias).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+            xq, xk, xv = xq.reshape(b, q, nh, hd), xk.reshape(b, q, nkv, hd), xv.reshape(b, q, nkv, hd)
+        else:
+            xq = self.q_proj(x).view(b, q, nh, hd)
+            xk = self.k_proj(x).view(b, q, nkv, hd)
+            xv = self.v_proj(x).view(b, q, nkv, hd)
         if self.q_norm is not None:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
@@ -239,6 +287,18 @@ class Transformer(nn.Module):
         self.max_batch = 0
         self.max_seq = 0
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.pack_qkv()
+
+    def pack_qkv(self) -> None:
+        """Attention.pack_qkv in every layer. Runs at construction and after every .to() (which
+        replaces parameter storage); a loader that assigns new parameters calls it again."""
+        for layer in self.model.layers:
+            layer.self_attn.pack_qkv()
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.pack_qkv()
+        return out
 
     @property
     def device(self) -> torch.device:
