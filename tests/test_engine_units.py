@@ -172,3 +172,25 @@ def test_packed_qkv_never_bypasses_gradients():
     mask = torch.ones(1, 2, 64, dtype=torch.bool)
     attn(x, cos, sin, torch.tensor([[0, 1]]), mask).sum().backward()
     assert attn.q_proj.weight.grad is not None and attn.v_proj.weight.grad is not None
+
+
+def test_gemm_packs_are_used_in_bf16_and_refused_once_stale():
+    """bf16 on a CPU: multi-row projections run on weights pre-packed for oneDNN's GEMM, with the
+    same bits as F.linear; an in-place weight write makes the pack stale and the plain path runs."""
+    from specbench.engine.model import fresh_pack, linear
+
+    model = tiny_model(dtype=torch.bfloat16)
+    head = model.lm_head
+    assert head.gemm_pack is not None and fresh_pack(head.weight, head.gemm_pack) is not None
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_gemm_pack is not None and attn.q_proj.gemm_pack is None  # q/k/v run packed together
+    x = torch.randn(3, 5, model.args.dim, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+    with torch.no_grad():
+        head.weight.mul_(0.5)
+    assert fresh_pack(head.weight, head.gemm_pack) is None  # stale: never the old weights
+    with torch.inference_mode():
+        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+        assert torch.equal(linear(x, head.weight), head(x))
+    assert tiny_model().lm_head.gemm_pack is None  # fp32: no pack

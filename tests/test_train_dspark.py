@@ -99,7 +99,7 @@ def _reference_loss(drafter, data, idx, anchors, sup, variant):
             kmax = int(sup[b, n].sum())
             if kmax == 0:
                 continue
-            drafter.setup_cache(1, 64)
+            drafter.setup_cache(1, len(ids) + drafter.block_size)  # room for the longest sequence's context
             drafter.append_context(taps[None, :p])
             h = drafter.block_hidden(ids[p: p + 1])[0]
             for k in range(kmax):

@@ -123,6 +123,7 @@ def _copy_in(model, dtype: torch.dtype):
 
     clone = copy.deepcopy(model)
     clone.max_batch = clone.max_seq = 0  # its own cache, in its own dtype
+    clone.pack_weights()  # a copy holds plain tensors: neither the q/k/v views nor the GEMM packs
     return cast_model(clone, dtype)
 
 

@@ -195,7 +195,7 @@ def _load_dir(path: Path, name: str, source: str, device: torch.device, dtype: t
     if args.tie_embeddings:  # assign=True made two Parameters; re-tie so .to() and updates stay shared
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = model.inv_freq.to(device)  # not in the checkpoint; built on CPU above
-    model.pack_qkv()  # assign=True replaced the packed views with the loaded tensors
+    model.pack_weights()  # assign=True replaced the packed views with the loaded tensors
     model.eval().requires_grad_(False)
 
     try:

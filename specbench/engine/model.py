@@ -11,6 +11,7 @@ loads with `load_state_dict` as it is.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -98,25 +99,66 @@ def _rope_scaling(c: dict) -> dict | None:
 FOLD_GQA_HEADS = True
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, except that a one-row bf16 input on a CPU runs as a matrix-vector product:
-    torch.mv gives bit-identical results there and took 0.57-0.78x the time of F.linear's GEMM
-    path for every SmolLM2-135M projection (576x576 to the 49152x576 head; Xeon with AMX, torch
-    2.13, min of 25 interleaved calls; fp32 showed no difference). A b = 1 decode step is ~180
-    such calls."""
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, gemm_pack: Tensor | None = None) -> Tensor:
+    """F.linear, with two faster routes for bf16 on a CPU that compute the same bits:
+
+    * one row: a matrix-vector product. torch.mv gave bit-identical results and took 0.57-0.78x
+      the time of F.linear's GEMM path for every SmolLM2-135M projection (576x576 to the 49152x576
+      head; Xeon with AMX, torch 2.13, min of 25 interleaved calls; fp32 showed no difference).
+    * several rows with `gemm_pack` (`pack_for_gemm`): oneDNN's GEMM on the weight reordered once
+      into its blocked layout, instead of reordering it on every call. Bit-identical to F.linear
+      (checked for 2 to 300 rows on every projection shape of the default model) and 10-15% less
+      time for a whole verify or batched-decode forward (docs/performance.md "Pre-packed GEMM
+      weights")."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
         y = torch.mv(weight, x.reshape(-1))
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], -1)
+    if gemm_pack is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, gemm_pack, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
+def pack_for_gemm(weight: Tensor | None) -> tuple[Tensor, tuple[int, int]] | None:
+    """(weight reordered for oneDNN's bf16 GEMM, the key it was made from) or None where that
+    route does not apply (not bf16, not a CPU, no oneDNN). The key is the weight's storage and
+    version counter: any in-place write (a load_state_dict, an optimizer step, a write to a view)
+    or a replaced tensor makes the pack stale, and `fresh_pack` then refuses it."""
+    if (weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    with torch.no_grad(), torch.inference_mode(False):
+        # 8: the row count oneDNN tunes the layout for; the results are the same for any count.
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+    return packed, (weight.data_ptr(), weight._version)
+
+
+def fresh_pack(weight: Tensor, pack: tuple[Tensor, tuple[int, int]] | None) -> Tensor | None:
+    """The packed weight if it still matches `weight` and no gradient must reach `weight` (the
+    oneDNN route has no backward)."""
+    if pack is None or pack[1] != (weight.data_ptr(), weight._version):
+        return None
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return None
+    return pack[0]
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) through `linear`."""
+    """nn.Linear (same parameters and state-dict names) through `linear`; `gemm_pack` is set by
+    Transformer.pack_weights."""
+
+    gemm_pack: tuple[Tensor, tuple[int, int]] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, fresh_pack(self.weight, self.gemm_pack))
+
+    def __getstate__(self):  # copies and pickles leave the oneDNN pack behind (it has no storage to copy)
+        return _without_packs(super().__getstate__())
+
+
+def _without_packs(state: dict) -> dict:
+    return {**state, **{k: None for k in ("gemm_pack", "qkv_gemm_pack") if k in state}}
 
 
 def fold_mask(mask: Tensor, group: int) -> Tensor:
@@ -157,6 +199,10 @@ class Attention(nn.Module):
         self.v_cache: Tensor | None = None
         self.qkv_weight: Tensor | None = None  # see pack_qkv
         self.qkv_bias: Tensor | None = None
+        self.qkv_gemm_pack = None  # pack_for_gemm(qkv_weight), set by Transformer.pack_weights
+
+    def __getstate__(self):
+        return _without_packs(super().__getstate__())
 
     def pack_qkv(self) -> None:
         """Put the q, k and v projection weights (and biases) into one [(nh + 2·nkv)·hd, dim]
@@ -201,7 +247,8 @@ class Attention(nn.Module):
         b, q, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         if self._packed():
-            xq, xk, xv = linear(x, self.qkv_weight, self.qkv_bias).split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, fresh_pack(self.qkv_weight, self.qkv_gemm_pack))
+            xq, xk, xv = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
             xq, xk, xv = xq.reshape(b, q, nh, hd), xk.reshape(b, q, nkv, hd), xv.reshape(b, q, nkv, hd)
         else:
             xq = self.q_proj(x).view(b, q, nh, hd)
@@ -287,17 +334,30 @@ class Transformer(nn.Module):
         self.max_batch = 0
         self.max_seq = 0
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.pack_qkv()
+        self.pack_weights()
 
-    def pack_qkv(self) -> None:
-        """Attention.pack_qkv in every layer. Runs at construction and after every .to() (which
-        replaces parameter storage); a loader that assigns new parameters calls it again."""
+    def pack_weights(self) -> None:
+        """Attention.pack_qkv in every layer, then (bf16 on a CPU) every projection's weight
+        reordered for oneDNN's GEMM (`pack_for_gemm`) — unless those copies would take more than
+        a quarter of the machine's memory (they double the weights' footprint). Runs at
+        construction and after every .to() (which replaces parameter storage); a loader that
+        assigns new parameters calls it again."""
         for layer in self.model.layers:
             layer.self_attn.pack_qkv()
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+        room = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4 if hasattr(os, "sysconf") else 0
+        pack = weight_bytes <= room
+        attentions = [layer.self_attn for layer in self.model.layers]
+        in_qkv = {id(p) for a in attentions for p in (a.q_proj, a.k_proj, a.v_proj)}  # run packed together
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemm_pack = pack_for_gemm(module.weight) if pack and id(module) not in in_qkv else None
+        for a in attentions:
+            a.qkv_gemm_pack = pack_for_gemm(a.qkv_weight) if pack else None
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        self.pack_qkv()
+        self.pack_weights()
         return out
 
     @property
