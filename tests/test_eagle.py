@@ -40,7 +40,7 @@ def random_head(target_model, taps, seed=0, std=0.3):
     head = build_head(EagleArgs.for_target(target_model.args, taps), target_model, dtype=torch.float32)
     head.init_weights(torch.Generator().manual_seed(seed), std=std)
     head = head.to(target_model.lm_head.weight.dtype)
-    head.inv_freq = head.inv_freq.float()  # rope frequencies stay fp32 (specbench/dtypes.py cast_model)
+    head.inv_freq = head.inv_freq.float()  # rope frequencies stay fp32 (specbench/engine/dtypes.py cast_model)
     return head.eval().requires_grad_(False)
 
 

@@ -87,7 +87,7 @@ def chain_mask(cache_lengths: Tensor, q: int, kv_len: int) -> Tensor:
 
 
 def graphed_for(model: Transformer, q: int):
-    """The model's CUDA-graph forward (specbench/cuda_graphs.py) for a forward of q tokens per row,
+    """The model's CUDA-graph forward (specbench/engine/cuda_graphs.py) for a forward of q tokens per row,
     or None: no graphs, or q beyond the decode/verify buckets (a prefill runs eagerly rather than
     capturing a graph per prompt length)."""
     graphed = getattr(model, "graphed", None)

@@ -2,7 +2,7 @@
 
 The head's score c_k = σ(z_k) predicts the *conditional* acceptance of draft k given drafts
 1..k−1 were accepted; the scheduler multiplies them into prefix survivals a_k = Π_{i≤k} c_i, so
-what must be calibrated is that product. STS (DSpark §3.2.1; concrete choices in dspark.md §3.4)
+what must be calibrated is that product. STS (the DSpark paper's rule; the choices it leaves open, docs/dspark.md §3.2)
 fits one temperature per position, left to right: T_k minimises the ECE of Π_{i≤k} σ(z_i / T_i)
 against the empirical prefix-acceptance labels y_k = 1[drafts 1..k all accepted], earlier
 temperatures held fixed. Temperature scaling keeps each position's ranking, so AUC is unchanged.

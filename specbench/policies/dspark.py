@@ -2,7 +2,7 @@
 load-aware verification. Also DFlash (its parallel backbone alone) as the same policy class
 without a confidence head.
 
-Per round (reference/dspark.md §4.5, §8):
+Per round (docs/dspark.md §4, §5):
   propose   the drafter's parallel backbone drafts a γ-block per row from the target features of
             the committed prefix (persistent draft context cache), the Markov head samples it left
             to right from the exact bias-corrected distributions; the confidence head scores each
@@ -23,7 +23,7 @@ profile, whether drafting paid: max over Algorithm 1's admission path of
 E[tokens] / (draft(b) + step(b, 1 + max ℓ)) against rows / step(b, 1). If not, the next rounds
 skip the drafter (plain decode steps, ℓ = 0 for every row) and probe again after 1, 2, 4 … 64
 skipped rounds. The decision uses confidences of earlier rounds only, never the current drafts,
-so it is lossless for the same reason as the production variant's stale capacity (§4.4).
+so it is lossless for the same reason as the production variant's stale capacity (docs/dspark.md §4.6, §4.4).
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ class DSpark(Policy):
         if self.scheduler == "algorithm1":
             out[active] = algorithm1_lengths(conf[active], lengths[active], self._sps(b, rows), early_stop=True, padded=True)
             return out
-        # Production variant (§4.4): capacity from confidences two rounds old (a causal barrier, so
+        # Production variant (docs/dspark.md §4.4): capacity from confidences two rounds old (a causal barrier, so
         # no early stop is needed), then a top-K over the current cumulative confidences.
         self.stale_confidence.append((conf[active].clone(), lengths[active].clone()))
         stale_conf, stale_len = self.stale_confidence[0]

@@ -1,4 +1,4 @@
-"""EAGLE: a trained one-layer head drafting from the target's own features (anchors.md §2), as a
+"""EAGLE: a trained one-layer head drafting from the target's own features (docs/eagle.md), as a
 chain (EAGLE-1/3 style, depth K) or as an EAGLE-2 dynamic draft tree, verified in one target pass.
 
 Per row the head keeps its own KV cache over the committed sequence (specbench.drafters.eagle:
