@@ -47,6 +47,9 @@ class RequestResult:
     # Per round: the calibrated confidences of the drafts proposed ([] when the policy gives none or
     # did not draft that round); what `specbench simulate` replays through the DSpark schedulers.
     trace_confidence: list[list[float]] = field(default_factory=list)
+    # Per round: the raw confidence logits z before calibration (Draft.confidence_logits), at full
+    # precision ([] as above); what `specbench calibrate` fits STS on. Not written to the records.
+    trace_confidence_logits: list[list[float]] = field(default_factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -168,7 +171,7 @@ def generate(
         verify_round = _verify_chain_round if draft.parents is None else _verify_tree_round
         outcome = verify_round(target, policy, state, draft, verify_lengths, config)
         paths = outcome.accepted_paths
-        conf_list = draft.confidence.float().tolist() if draft.confidence is not None else None
+        conf_list, logit_list = _confidences_to_host(draft)
         new_tokens = []
         for r in range(b):
             if not active_list[r]:
@@ -182,6 +185,7 @@ def generate(
             _count_positions(res.accepted_per_position, len(paths[r]))
             res.trace_verify_len.append(outcome.verified[r])
             res.trace_confidence.append([round(c, 4) for c in conf_list[r]] if conf_list else [])
+            res.trace_confidence_logits.append(logit_list[r] if logit_list else [])
         emitted = commit_tokens(state, results, new_tokens, eos, max_new)
         # Rows that just finished observe nothing: their drafter state no longer matters.
         accepted = torch.tensor([len(p) for p in paths], device=device) * state.active
@@ -295,6 +299,17 @@ def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes:
     rows = torch.cat([next_token[:, None], n_nodes[:, None], depth.max(dim=1).values[:, None], draft.tokens], dim=1).tolist()
     return RoundOutcome(accepted_paths=paths, next_tokens=[row[0] for row in rows], draft_tokens=[row[3:] for row in rows],
                         verified=[row[1] for row in rows], depths=[row[2] for row in rows], features=verify_features)
+
+
+def _confidences_to_host(draft: Draft) -> tuple[list | None, list | None]:
+    """The draft's calibrated confidences and raw confidence logits per row (None where absent),
+    in one device-to-host transfer."""
+    if draft.confidence is None:
+        return None, None
+    if draft.confidence_logits is None:
+        return draft.confidence.float().tolist(), None
+    both = torch.stack([draft.confidence.float(), draft.confidence_logits.float()]).tolist()
+    return both[0], both[1]
 
 
 def _spin(seconds: float) -> None:

@@ -83,8 +83,6 @@ class DSpark(Policy):
         # The draft gate (module docstring): one object, driven the same way by propose() here and
         # by the concurrency simulator (specbench/analysis/simulate.py) on replayed confidences.
         self.gate = DraftGate(self.gamma, step_seconds, self.draft_seconds) if draft_gate else None
-        # Raw confidence logits per row per round (before STS), for calibration and traces.
-        self.confidence_log: list[list[list[float]]] = []
 
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
@@ -104,7 +102,6 @@ class DSpark(Policy):
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
-        self.confidence_log = [[] for _ in range(b)]
         # The batch's temperature is fixed for its life: pick its STS fit and move it once, not per round.
         self.batch_sts = self.sts_temperatures(state.temperature)[: self.gamma].to(state.tokens.device)
         if self.gate is not None:
@@ -117,18 +114,16 @@ class DSpark(Policy):
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
         tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p, state.generator)
         tokens, probs = tokens[:, : self.gamma], probs[:, : self.gamma]
-        confidence = None
+        confidence = raw = None
         if conf_logits is not None:
-            raw = conf_logits[:, : self.gamma].float().tolist()
-            for r in state.active.nonzero().flatten().tolist():
-                self.confidence_log[r].append(raw[r])
-            confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / self.batch_sts)
+            raw = conf_logits[:, : self.gamma].float()  # the core records them for STS calibration
+            confidence = torch.sigmoid(raw / self.batch_sts)
             if self.gate is not None:
                 self.gate.update(confidence, state.active)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide.
         return Draft(tokens=tokens, probs=probs if state.temperature > 0 else None, lengths=lengths,
-                     confidence=confidence)
+                     confidence=confidence, confidence_logits=raw)
 
     def _sps(self, b: int, n: int):
         return rounds_per_second(self.step_seconds, self.draft_seconds, b, n)
