@@ -347,7 +347,7 @@ def test_checkpoint_and_registry(target, trained, tmp_path):
     # the built-in specs
     for name, mode in (("eagle", "tree"), ("eagle-chain", "chain")):
         spec = read_spec(name)
-        assert spec["builder"].startswith("specbench.policies.eagle:")
+        assert spec["builder"] == f"specbench.policies.registry:build_{name.replace('-', '_')}"
         policy = build_policy(name, target, {"drafter": str(path)})
         assert policy.name == name and policy.mode == mode and policy.target_taps == tuple(TAPS)
     tree = build_policy("eagle", target, {"drafter": str(path)})
