@@ -1,4 +1,4 @@
-"""specbench.drafters.dspark: the DSpark / DFlash drafter (reference/dspark.md §2–§3) on tiny models.
+"""specbench.drafters.dspark: the DSpark / DFlash drafter (docs/dspark.md §2) on tiny models.
 
 Training-time block forward = inference path; attention visibility; exact sampling distributions;
 the confidence head never sees the token it scores; Markov rank 0 is DFlash."""

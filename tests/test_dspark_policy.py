@@ -180,8 +180,8 @@ def test_sts_fit_follows_the_sampling_temperature(target):
     prompts = random_prompts(3, VOCAB, seed=3)
     for temperature, fit in ((0.0, 0.0), (0.9, 1.0)):
         result = generate(target, pol, prompts, SamplingConfig(max_new_tokens=12, temperature=temperature, seed=1))
-        for r, req in enumerate(result.requests):
-            raw = torch.tensor(pol.confidence_log[r])
+        for req in result.requests:
+            raw = torch.tensor(req.trace_confidence_logits)
             assert len(raw) == len(req.trace_confidence) > 0
             expected = torch.sigmoid(raw / torch.tensor(fits[fit]))
             torch.testing.assert_close(torch.tensor(req.trace_confidence), expected, atol=1e-4, rtol=0)  # traces keep 4 decimals

@@ -40,7 +40,7 @@ def random_head(target_model, taps, seed=0, std=0.3):
     head = build_head(EagleArgs.for_target(target_model.args, taps), target_model, dtype=torch.float32)
     head.init_weights(torch.Generator().manual_seed(seed), std=std)
     head = head.to(target_model.lm_head.weight.dtype)
-    head.inv_freq = head.inv_freq.float()  # rope frequencies stay fp32 (specbench/dtypes.py cast_model)
+    head.inv_freq = head.inv_freq.float()  # rope frequencies stay fp32 (specbench/engine/dtypes.py cast_model)
     return head.eval().requires_grad_(False)
 
 
@@ -347,7 +347,7 @@ def test_checkpoint_and_registry(target, trained, tmp_path):
     # the built-in specs
     for name, mode in (("eagle", "tree"), ("eagle-chain", "chain")):
         spec = read_spec(name)
-        assert spec["builder"].startswith("specbench.policies.eagle:")
+        assert spec["builder"] == f"specbench.policies.registry:build_{name.replace('-', '_')}"
         policy = build_policy(name, target, {"drafter": str(path)})
         assert policy.name == name and policy.mode == mode and policy.target_taps == tuple(TAPS)
     tree = build_policy("eagle", target, {"drafter": str(path)})

@@ -14,9 +14,8 @@ from specbench.engine.core import SamplingConfig, generate
 from specbench.errors import UserError
 from specbench.engine.loading import load_model
 from specbench.policies.dspark import DSpark
-from specbench.policies.eagle import build_eagle, build_eagle_chain
 from specbench.engine.policy import Policy
-from specbench.policies.registry import build_dspark, build_fixed_k
+from specbench.policies.registry import build_dspark, build_eagle, build_eagle_chain, build_fixed_k
 from published import specforge_eagle3
 from helpers import N_SAMPLES, N_TOKENS, SMALL_VOCAB, chi_square, exact_joint
 from tiny import random_prompts

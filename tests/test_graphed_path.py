@@ -1,5 +1,5 @@
 """The core's CUDA-graph path, exercised on the CPU: a stand-in with GraphedForward's interface
-(specbench/cuda_graphs.py) that runs the model directly receives exactly the forwards a graph
+(specbench/engine/cuda_graphs.py) that runs the model directly receives exactly the forwards a graph
 would replay (static full-cache masks, decode and verify widths up to max_q; prefill stays
 eager), and decoding through it stays token-identical to plain AR."""
 from __future__ import annotations

@@ -6,7 +6,7 @@ matches the target's exact distribution (enumerated) in a χ² test over many sa
 test rejects a verifier without residual resampling, so it has power.
 
 Both in fp32 and in bf16 (target and drafters in bf16, probabilities and verification in fp32:
-specbench/dtypes.py); bf16 runs a representative subset to keep the suite's time.
+specbench/engine/dtypes.py); bf16 runs a representative subset to keep the suite's time.
 """
 from __future__ import annotations
 

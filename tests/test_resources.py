@@ -65,3 +65,18 @@ def test_bad_home_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setenv(resources.HOME_VARIABLE, str(tmp_path / "missing"))
     with pytest.raises(UserError, match="SPECBENCH_HOME=.* is not a directory"):
         builtin_specs()
+
+
+def test_every_shipped_spec_is_built_by_the_registry():
+    """One home for policy builders: every shipped spec names a builder in specbench/policies/registry.py
+    that exists there (the policy modules hold only their policies)."""
+    from pathlib import Path
+
+    from specbench.policies import registry
+
+    root = Path(__file__).resolve().parent.parent
+    specs = [*builtin_specs().values(), *(root / "benchmarks").rglob("policies/*.toml")]
+    assert len(specs) > 10
+    for spec_path in specs:
+        module, _, name = read_spec(str(spec_path))["builder"].partition(":")
+        assert module == "specbench.policies.registry" and callable(getattr(registry, name, None)), spec_path

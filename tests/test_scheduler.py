@@ -1,4 +1,4 @@
-"""DSpark schedulers, including the paper's Appendix A counterexample (dspark.md §4.3)."""
+"""DSpark schedulers, including the paper's Appendix A counterexample (docs/dspark.md §4.3)."""
 from __future__ import annotations
 
 import torch

@@ -87,7 +87,7 @@ def test_anchor_sampling_and_supervision_mask(data):
 
 
 def _reference_loss(drafter, data, idx, anchors, sup, variant):
-    """The §5.3 loss computed block by block through the inference path (context cache)."""
+    """The loss of docs/dspark.md §6.2 computed block by block through the inference path (context cache)."""
     w_all = torch.exp(-torch.arange(drafter.block_size) / 4.0)
     wts = LOSS_WEIGHTS[variant]
     num = {"ce": 0.0, "l1": 0.0, "conf": 0.0}

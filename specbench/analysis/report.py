@@ -14,7 +14,7 @@ file or a directory of them), runs :mod:`specbench.analysis.stats`, and writes:
 
 at the top one verdict line per policy and cell, the sweep's settings and decode wall time and the
 caveats that limit the table (too few prompts to test, stalled timings, the draft gate:
-specbench/stats.py); then the summary table (CIs, Holm-corrected significance), a "where
+specbench/analysis/stats.py); then the summary table (CIs, Holm-corrected significance), a "where
 speculation stops paying" table and the run environment. A report covers one sweep (or one
 directory of run files): results of several are refused, never pooled. Figures are drawn on bare ``matplotlib.figure.Figure``
 objects (Agg canvas; pyplot's global state is never touched), embedded in the HTML as base64

@@ -1,9 +1,9 @@
-"""DSpark and DFlash drafters (reference/dspark.md §2–§3), gpt-fast style.
+"""DSpark and DFlash drafters (docs/dspark.md §2, §3), gpt-fast style.
 
 One class serves both methods. DFlash is DSpark's parallel backbone alone (`markov_rank = 0`, no
-confidence head, §5.3); DSpark adds the sequential Markov head and the confidence head.
+confidence head, docs/dspark.md §2.6); DSpark adds the sequential Markov head and the confidence head.
 
-Backbone (§2.1):
+Backbone (docs/dspark.md §2.1):
   * target features: raw outputs of m target decoder layers ("taps"), concatenated [.., m·d],
     projected once by `fc` (m·d → d, no bias) and `hidden_norm` (RMSNorm): H_ctx (Eq. 2);
   * a block of γ slots [anchor, MASK × (γ−1)] at positions anchor_pos + k; every slot predicts
@@ -14,9 +14,9 @@ Backbone (§2.1):
     inside the block and to context positions strictly before the anchor;
   * final `norm` → h_k, base logits U_k = lm_head(h_k) with the *target's* frozen lm_head.
 
-Sequential stage (§2.2): logits_k = U_k + B_k with the vanilla Markov bias B_k = W1[x_{k−1}]·W2
+Sequential stage (docs/dspark.md §2.3): logits_k = U_k + B_k with the vanilla Markov bias B_k = W1[x_{k−1}]·W2
 (W1 V×r embedding, W2 r×V), tokens sampled left to right from exactly those logits.
-Confidence (§3.1): c_k = σ(w·[h_k ; W1[x_{k−1}]] + b) — it sees the previous token, never x_k.
+Confidence (docs/dspark.md §2.4): c_k = σ(w·[h_k ; W1[x_{k−1}]] + b) — it sees the previous token, never x_k.
 
 Mask token: a learned `mask_embedding` vector (d), not a token id. The target's embedding is
 frozen and shared (not stored with the drafter), and SmolLM2's vocabulary has no padded unused
@@ -33,7 +33,7 @@ committed prefix *before* its anchor, i.e. ctx_len == state.lengths − 1 at eve
     begin:   setup_cache(b, seq_cap); append_context(prompt_features, counts=prompt_lengths)
     propose: tokens, probs, conf = draft_block(anchors, None, T, top_p, state.generator)
     observe: append_context(verify_features, counts=(accepted + 1) * active)
-             (the anchor and the accepted drafts are now committed; DSpark §8.1 step 7)
+             (the anchor and the accepted drafts are now committed; docs/dspark.md §2.2)
 
 Checkpoint (`specbench.train.dspark` writes it with `common.save_drafter`): drafter.json with
 kind "dspark" / "dflash" and `model_args` = DSparkArgs.to_dict() (the draft layers' ModelArgs
@@ -60,12 +60,12 @@ class DSparkArgs:
     """Architecture of a DSpark / DFlash drafter.
 
     model_args: the draft layers' shapes — the target's ModelArgs with n_layers = draft layers
-        (§2.1: a deep copy of the target config, so widths, heads and rope settings match).
+        (docs/dspark.md §2.1: a deep copy of the target config, so widths, heads and rope settings match).
     block_size: γ, the number of slots and of drafts per block. 7 = the paper's offline setting
-        (Table 1 "block7", decay constant 4 in §5.3 is tuned for it).
+        (Table 1 "block7"; the loss's decay constant 4, docs/dspark.md §6.2, is tuned for it).
     tap_layers: target layers whose raw outputs feed `fc` (m = len(tap_layers)).
     markov_rank: r of W1 (V×r) and W2 (r×V_d); 0 = no sequential head (DFlash).
-    confidence_head / confidence_with_markov: §3.1; the Markov flag needs markov_rank > 0.
+    confidence_head / confidence_with_markov: docs/dspark.md §2.4; the Markov flag needs markov_rank > 0.
     draft_vocab: V_d > 0 drafts only from the V_d token ids in the `vocab_ids` buffer (the most
         frequent response tokens of the training data, set by the trainer), like EAGLE-3's reduced
         draft vocabulary; 0 = the target's whole vocabulary (the paper). Why: with a 135M target
@@ -249,7 +249,7 @@ class DSparkDrafter(nn.Module):
         return self.fc.weight.dtype
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """HF `post_init` defaults (§2.1): Linear/Embedding ~ N(0, 0.02), biases 0, RMSNorm 1. The
+        """HF `post_init` defaults (docs/dspark.md §2.5): Linear/Embedding ~ N(0, 0.02), biases 0, RMSNorm 1. The
         initial Markov bias is then ≈ 0, so DSpark starts as DFlash. Drawn from `generator` in a
         fixed module order, so a seed gives bit-identical weights."""
         with torch.no_grad():
@@ -345,7 +345,7 @@ class DSparkDrafter(nn.Module):
 
     def confidence_logits(self, h: Tensor, prev_tokens: Tensor) -> Tensor | None:
         """z_k with c_k = σ(z_k) = σ(w·[h_k ; W1[x_{k−1}]] + b) (Eq. 7); None without the head.
-        Depends on x_{k−1} (prev_tokens), never on x_k: required for lossless scheduling (§4.3)."""
+        Depends on x_{k−1} (prev_tokens), never on x_k: required for lossless scheduling (docs/dspark.md §4.3)."""
         if self.confidence_head is None:
             return None
         if self.args.confidence_with_markov:
@@ -368,7 +368,7 @@ class DSparkDrafter(nn.Module):
         return self.norm(x)
 
     # ------------------------------------------------------------------------------------------
-    # Training-time forward: every anchor's block in one pass (§5.2)
+    # Training-time forward: every anchor's block in one pass (docs/dspark.md §6.1)
 
     def forward_blocks(self, features: Tensor, input_ids: Tensor, anchors: Tensor) -> Tensor:
         """features [B, T, m·d] target taps, input_ids [B, T], anchors [B, N] (positions p with a
@@ -376,7 +376,7 @@ class DSparkDrafter(nn.Module):
         the loss by the caller). Returns h [B, N, γ, d], the normed hidden of every slot.
 
         Keys are [context positions 0..T−1 ; N blocks × γ slots]; a query of block n sees context
-        keys at positions < anchors[n] and the γ keys of its own block only (§2.1 visibility)."""
+        keys at positions < anchors[n] and the γ keys of its own block only (docs/dspark.md §2.1, visibility)."""
         B, T, _ = features.shape
         N, g = anchors.shape[1], self.block_size
         device = features.device
@@ -394,7 +394,7 @@ class DSparkDrafter(nn.Module):
         return h.view(B, N, g, -1)
 
     # ------------------------------------------------------------------------------------------
-    # Inference: persistent per-row context KV cache + block drafting (§2.1 "draft KV cache")
+    # Inference: persistent per-row context KV cache + block drafting (docs/dspark.md §2.2)
 
     def setup_cache(self, max_batch: int, max_ctx: int, dtype: torch.dtype | None = None) -> None:
         """Allocate (or reuse, when big enough) the context cache; every row starts empty."""
@@ -420,7 +420,7 @@ class DSparkDrafter(nn.Module):
         features [b, n, m·d]: row r's first counts[r] entries are appended (ragged rows are
         right-padded; counts None = all n). They go to cache slots ctx_len[r] + i; rope positions
         default to the same (the cache then holds exactly the committed prefix before the
-        anchor, which is what the draft must see: context positions < anchor, §2.1, §8.1 step 7).
+        anchor, which is what the draft must see: context positions < anchor, docs/dspark.md §2.1, §2.2).
         Context K/V depend only on the features, so they are computed once here, per layer."""
         b, n, _ = features.shape
         device = features.device
@@ -460,7 +460,7 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def draft_block(self, anchor_tokens: Tensor, anchor_positions: Tensor | None, temperature: float,
                     top_p: float = 1.0, generator: torch.Generator | None = None, return_logits: bool = False):
-        """Draft γ tokens per row after its anchor (semi-autoregressive, §2.2 / §8.1 step 2).
+        """Draft γ tokens per row after its anchor (semi-autoregressive, docs/dspark.md §2.3).
 
         anchor_tokens [b]; anchor_positions [b] (None = each row's context length, the normal
         case). Returns (tokens [b, γ], probs [b, γ, V] float32 — the exact processed distribution

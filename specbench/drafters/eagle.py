@@ -1,4 +1,4 @@
-"""The EAGLE-3-style draft head (reference/anchors.md §2.3), gpt-fast style.
+"""The EAGLE-3-style draft head (docs/eagle.md §2, §3), gpt-fast style.
 
 Architecture (one decoder layer, target-shaped widths, heads and rope):
   * fused features: raw outputs of m target decoder layers (the taps, concatenated, m·d) →

@@ -19,7 +19,7 @@ from torch import Tensor
 from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import make_generator, probs_from_logits, sample
-from specbench.engine.verify import verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
+from specbench.engine.verify import RoundOutcome, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclass
@@ -47,6 +47,9 @@ class RequestResult:
     # Per round: the calibrated confidences of the drafts proposed ([] when the policy gives none or
     # did not draft that round); what `specbench simulate` replays through the DSpark schedulers.
     trace_confidence: list[list[float]] = field(default_factory=list)
+    # Per round: the raw confidence logits z before calibration (Draft.confidence_logits), at full
+    # precision ([] as above); what `specbench calibrate` fits STS on. Not written to the records.
+    trace_confidence_logits: list[list[float]] = field(default_factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -87,7 +90,7 @@ def chain_mask(cache_lengths: Tensor, q: int, kv_len: int) -> Tensor:
 
 
 def graphed_for(model: Transformer, q: int):
-    """The model's CUDA-graph forward (specbench/cuda_graphs.py) for a forward of q tokens per row,
+    """The model's CUDA-graph forward (specbench/engine/cuda_graphs.py) for a forward of q tokens per row,
     or None: no graphs, or q beyond the decode/verify buckets (a prefill runs eagerly rather than
     capturing a graph per prompt length)."""
     graphed = getattr(model, "graphed", None)
@@ -165,27 +168,24 @@ def generate(
             draft = Draft(tokens=torch.zeros(b, 0, dtype=torch.long, device=device), probs=None, lengths=zeros)
         verify_lengths = policy.schedule(draft, state).clamp(max=draft.tokens.shape[1]) * state.active
         active_list = state.active.tolist()
-        if draft.parents is None:
-            paths, next_list, drafts_list, verify_features, depths, nodes_list = _verify_chain_round(
-                target, policy, state, draft, verify_lengths, config)
-        else:
-            paths, next_token, verify_features, depths, nodes_list = _verify_tree_round(
-                target, policy, state, draft, verify_lengths, config)
-            next_list, drafts_list = next_token.tolist(), draft.tokens.tolist()
-        conf_list = draft.confidence.float().tolist() if draft.confidence is not None else None
+        verify_round = _verify_chain_round if draft.parents is None else _verify_tree_round
+        outcome = verify_round(target, policy, state, draft, verify_lengths, config)
+        paths = outcome.accepted_paths
+        conf_list, logit_list = _confidences_to_host(draft)
         new_tokens = []
         for r in range(b):
             if not active_list[r]:
                 new_tokens.append([])
                 continue
             res = results[r]
-            new_tokens.append([drafts_list[r][i] for i in paths[r]] + [next_list[r]])
+            new_tokens.append(outcome.emitted(r))
             res.rounds += 1
-            res.drafted += nodes_list[r]
-            _count_positions(res.drafted_per_position, depths[r])
+            res.drafted += outcome.verified[r]
+            _count_positions(res.drafted_per_position, outcome.depths[r])
             _count_positions(res.accepted_per_position, len(paths[r]))
-            res.trace_verify_len.append(nodes_list[r])
+            res.trace_verify_len.append(outcome.verified[r])
             res.trace_confidence.append([round(c, 4) for c in conf_list[r]] if conf_list else [])
+            res.trace_confidence_logits.append(logit_list[r] if logit_list else [])
         emitted = commit_tokens(state, results, new_tokens, eos, max_new)
         # Rows that just finished observe nothing: their drafter state no longer matters.
         accepted = torch.tensor([len(p) for p in paths], device=device) * state.active
@@ -195,7 +195,7 @@ def generate(
                 kept = min(len(paths[r]), emitted[r])
                 results[r].accepted += kept
                 results[r].trace_accepted.append(kept)
-        policy.observe(state, accepted, verify_features)
+        policy.observe(state, accepted, outcome.features)
         synchronize(device)
         now = time.perf_counter()
         for r in range(b):
@@ -208,11 +208,11 @@ def generate(
     return BatchResult(requests=results, wall_s=t_end - t_start)
 
 
-def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_lengths: Tensor, config: SamplingConfig):
-    """Returns (accepted node indices per row, next token per row, draft tokens per row,
-    committed-first target features, depth verified per row, drafts verified per row), the
-    round's outcome brought to the host in one transfer. One forward over [anchor, x_1..x_ℓ] per row; the accepted drafts are already in place in the
-    cache (consecutive slots), so committing them is just advancing the row's length."""
+def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_lengths: Tensor,
+                        config: SamplingConfig) -> RoundOutcome:
+    """One forward over [anchor, x_1..x_ℓ] per row, then chain rejection sampling; the outcome is
+    brought to the host in one transfer. The accepted drafts are already in place in the cache
+    (consecutive slots), so committing them is just advancing the row's length."""
     cache_lengths = state.lengths - 1  # the anchor's KV is computed in this round's forward
     # Never verify past the token budget (the bonus token takes one).
     budget = (state.max_new_tokens - (state.lengths - state.prompt_lengths) - 1).clamp_min(0)
@@ -227,10 +227,11 @@ def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_
         target_probs = probs_from_logits(logits, config.temperature, config.top_p)
         accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
     # One device-to-host transfer of the round's outcome: per row [accepted, next, ℓ, drafts...].
-    outcome = torch.cat([accepted[:, None], next_token[:, None], verify_lengths[:, None], draft.tokens], dim=1).tolist()
-    paths = [list(range(row[0])) for row in outcome]
-    lengths = [row[2] for row in outcome]
-    return paths, [row[1] for row in outcome], [row[3:] for row in outcome], verify_features, lengths, lengths
+    rows = torch.cat([accepted[:, None], next_token[:, None], verify_lengths[:, None], draft.tokens], dim=1).tolist()
+    lengths = [row[2] for row in rows]
+    return RoundOutcome(accepted_paths=[list(range(row[0])) for row in rows], next_tokens=[row[1] for row in rows],
+                        draft_tokens=[row[3:] for row in rows], verified=lengths, depths=lengths,
+                        features=verify_features)
 
 
 def tree_layout(parents: Tensor, n_nodes: Tensor) -> tuple[Tensor, Tensor]:
@@ -249,7 +250,8 @@ def tree_layout(parents: Tensor, n_nodes: Tensor) -> tuple[Tensor, Tensor]:
     return depth, ancestors
 
 
-def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes: Tensor, config: SamplingConfig):
+def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes: Tensor,
+                       config: SamplingConfig) -> RoundOutcome:
     """One forward over [anchor, tree nodes...] per row with a tree mask and depth positions, then
     recursive rejection sampling down the tree; the accepted path's KV is moved to consecutive slots."""
     b, device = state.batch_size, state.tokens.device
@@ -293,8 +295,21 @@ def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes:
         for r, path in enumerate(paths):
             index[r, 1 : 1 + len(path)] = torch.tensor([i + 1 for i in path], dtype=torch.long)
         verify_features = verify_features.gather(1, index.to(device)[..., None].expand(-1, -1, verify_features.shape[-1]))
-    depths = depth.max(dim=1).values.tolist()
-    return paths, next_token, verify_features, depths, n_nodes.tolist()
+    # The rest of the outcome in one transfer: per row [next, nodes, depth, node tokens...].
+    rows = torch.cat([next_token[:, None], n_nodes[:, None], depth.max(dim=1).values[:, None], draft.tokens], dim=1).tolist()
+    return RoundOutcome(accepted_paths=paths, next_tokens=[row[0] for row in rows], draft_tokens=[row[3:] for row in rows],
+                        verified=[row[1] for row in rows], depths=[row[2] for row in rows], features=verify_features)
+
+
+def _confidences_to_host(draft: Draft) -> tuple[list | None, list | None]:
+    """The draft's calibrated confidences and raw confidence logits per row (None where absent),
+    in one device-to-host transfer."""
+    if draft.confidence is None:
+        return None, None
+    if draft.confidence_logits is None:
+        return draft.confidence.float().tolist(), None
+    both = torch.stack([draft.confidence.float(), draft.confidence_logits.float()]).tolist()
+    return both[0], both[1]
 
 
 def _spin(seconds: float) -> None:

@@ -1,7 +1,7 @@
 """CUDA-graph capture of a model's forward, one graph per (batch, q, taps) bucket.
 
 A decode step of a small target is a few hundred kernel launches; at batch 1 their launch cost
-rivals the work (DESIGN.md: a 1.2 ms graphed step vs ~50 ms through transformers.generate).
+rivals the work (docs/hardware.md §1: a 1.2 ms graphed step vs ~50 ms through transformers.generate).
 Capturing the whole forward once per shape and replaying it removes that overhead. Graphs need
 static shapes and addresses, so graphed forwards always attend over the whole cache
 (kv_len = max_seq: the mask hides unused slots) and copy their inputs into static buffers.
@@ -11,7 +11,7 @@ bucket, so callers consume (or clone) them before the next forward.
 
 `run` and `sweep` enable it for the target on CUDA (`--no-cuda-graphs` turns it off). Buckets are
 the (batch, q) shapes the core meets: q = 1 decode and each verify width up to `max_q`; longer
-forwards (prefill) run eagerly (specbench/core.py graphed_for), so prompts of every length do not
+forwards (prefill) run eagerly (specbench/engine/core.py graphed_for), so prompts of every length do not
 each capture a graph. The drafters' own steps are not graphed (yet).
 """
 from __future__ import annotations

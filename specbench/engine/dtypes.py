@@ -2,12 +2,12 @@
 
 Target and drafters run in one dtype, and so does the KV cache; sampling and verification never
 do: logits are upcast and every probability, acceptance test and residual is fp32
-(specbench/sampling.py, specbench/verify.py), so speculative decoding stays exact with respect to
+(specbench/engine/sampling.py, specbench/engine/verify.py), so speculative decoding stays exact with respect to
 the target's own (low-precision) forward.
 
 `auto`: bf16 on CUDA. On a CPU it depends on the chip, so it is measured, not assumed: on an Intel
 Xeon with AMX, bf16 makes verifying 8 tokens cost 0.95x a decode step against 1.83x in fp32
-(DESIGN.md, measured 2026-12-01); a CPU without bf16 matrix units emulates bf16 GEMMs and loses.
+(docs/hardware.md §3, measured 2026-12-01); a CPU without bf16 matrix units emulates bf16 GEMMs and loses.
 The first `auto` load of a target on a CPU times its decode step (q = 1) and verify step (q = 8)
 at b = 1 in both dtypes and keeps the faster; the decision is cached per (target fingerprint,
 CPU name and threads, torch version) under `<cache>/profiles/cpu-dtype.json`, so later loads

@@ -47,7 +47,7 @@ class LoadedModel:
     path: str  # the local HF directory actually read (the conversion cache for GGUF sources)
     fingerprint: str  # identifies config + weights; drafters record it to refuse other targets
     eos_token_ids: list[int]  # generation stops on any of these
-    # How the dtype was chosen: {"requested": "auto", ...the measurement (specbench/dtypes.py)} or
+    # How the dtype was chosen: {"requested": "auto", ...the measurement (specbench/engine/dtypes.py)} or
     # {"requested": "<dtype>"}; the dtype itself is the model's (dtypes.dtype_name(model dtype)).
     dtype_choice: dict = field(default_factory=dict)
 
@@ -91,7 +91,7 @@ def default_cache_dir() -> Path:
 
 def load_model(spec: str, device="cpu", dtype: torch.dtype | str = torch.float32, cache_dir=None) -> LoadedModel:
     """Load `spec` (alias, .gguf file, local HF dir or hub id) into our Transformer, in `dtype`: a
-    torch dtype, its name, or "auto" (specbench/dtypes.py: bf16 on CUDA, measured on a CPU)."""
+    torch dtype, its name, or "auto" (specbench/engine/dtypes.py: bf16 on CUDA, measured on a CPU)."""
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     check_device_dtype(dtype, device)

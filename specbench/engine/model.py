@@ -273,7 +273,7 @@ class Attention(nn.Module):
 
         # Fold each KV group's query heads into the query axis: [b, nkv, group*q, hd]. Attention then
         # reads each KV head once, whatever q is (plain GQA SDPA re-reads KV per query head when
-        # q >= 2; DESIGN.md "More H200 measurements"). Query head h uses KV head h // group, as in
+        # q >= 2; docs/hardware.md §2). Query head h uses KV head h // group, as in
         # transformers' repeat_kv, so this is the same computation.
         group = nh // nkv
         keys, values = keys.to(xq.dtype), values.to(xq.dtype)

@@ -18,7 +18,10 @@ class Draft:
     tokens: Tensor  # [b, K] draft tokens x_1..x_K per row (padding beyond `lengths` is ignored)
     probs: Tensor | None  # [b, K, V] distributions the tokens were drawn from; None = deterministic
     lengths: Tensor  # [b] valid drafts per row
-    confidence: Tensor | None = None  # [b, K] optional conditional-acceptance scores (DSpark)
+    confidence: Tensor | None = None  # [b, K] optional conditional-acceptance scores (DSpark), calibrated
+    # [b, K] optional raw scores before calibration (DSpark: confidence = σ(z / T_k)); the core hands
+    # them back in RequestResult.trace_confidence_logits, which is what STS calibration fits on.
+    confidence_logits: Tensor | None = None
     # Trees: parents[r, i] is node i's parent node (−1: the anchor), parents listed before children;
     # `tokens` are then the nodes, `lengths` the nodes per row, and `probs` (if given) the
     # distribution each node was drawn from i.i.d. among its siblings (None: siblings chosen, e.g. top-k).

@@ -8,10 +8,43 @@ target's argmax, then emit the target's argmax".
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from specbench.engine.sampling import sample
+
+
+@dataclass
+class RoundOutcome:
+    """What one verify round decided, per row of the batch, on the host.
+
+    The decode core (specbench/engine/core.py) builds one per round, for a chain or a tree, and
+    commits from it. Rows that were not active this round carry entries nothing reads.
+
+    accepted_paths: per row, the accepted drafts as indices into `draft_tokens` (a chain: 0..a−1;
+        a tree: the node indices along the accepted path, root first).
+    next_tokens: per row, the token drawn from the target after the accepted drafts (the
+        correction at the first rejection, or the bonus token).
+    draft_tokens: per row, the proposal's tokens (chain positions or tree nodes).
+    verified: per row, how many drafts the target verified (chain: ℓ; tree: its nodes).
+    depths: per row, the deepest draft position verified (chain: ℓ; tree: the longest path).
+    features: [b, Q, F] target taps at the verified inputs, committed first: row r's
+        [anchor, accepted drafts...] are its first 1 + len(accepted_paths[r]) entries (what
+        `Policy.observe` receives), or None when the policy taps no layers.
+    """
+
+    accepted_paths: list[list[int]]
+    next_tokens: list[int]
+    draft_tokens: list[list[int]]
+    verified: list[int]
+    depths: list[int]
+    features: Tensor | None
+
+    def emitted(self, r: int) -> list[int]:
+        """Row r's new tokens this round: its accepted drafts, then the target's next token."""
+        return [self.draft_tokens[r][i] for i in self.accepted_paths[r]] + [self.next_tokens[r]]
 
 
 def verify_chain(

@@ -2,7 +2,7 @@
 
 The head's score c_k = σ(z_k) predicts the *conditional* acceptance of draft k given drafts
 1..k−1 were accepted; the scheduler multiplies them into prefix survivals a_k = Π_{i≤k} c_i, so
-what must be calibrated is that product. STS (DSpark §3.2.1; concrete choices in dspark.md §3.4)
+what must be calibrated is that product. STS (the DSpark paper's rule; the choices it leaves open, docs/dspark.md §3.2)
 fits one temperature per position, left to right: T_k minimises the ECE of Π_{i≤k} σ(z_i / T_i)
 against the empirical prefix-acceptance labels y_k = 1[drafts 1..k all accepted], earlier
 temperatures held fixed. Temperature scaling keeps each position's ranking, so AUC is unchanged.
@@ -225,18 +225,20 @@ def held_out_prompts(data, n: int, val_fraction: float = 0.05, seed: int = 0) ->
 
 def collect_rollouts(target, policy, prompts: list[list[int]], temperature: float, max_new_tokens: int,
                      batch_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run the (fixed-ℓ) DSpark policy; returns confidence logits [N, γ], verified [N], accepted [N]."""
+    """Run the (fixed-ℓ) DSpark policy; returns confidence logits [N, γ], verified [N], accepted [N],
+    one row per drafted round: the raw logits the core records per round
+    (`RequestResult.trace_confidence_logits`) beside that round's verify length and accepted count."""
     logits, verified, accepted = [], [], []
     for start in tqdm(range(0, len(prompts), batch_size), desc="calibration rollouts", unit="batch"):
         batch = prompts[start : start + batch_size]
         config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + start)
         result = generate(target.model, policy, batch, config, target.eos_token_ids)
-        for r, res in enumerate(result.requests):
-            log = policy.confidence_log[r]
-            assert len(log) == len(res.trace_verify_len)  # one logged block per verify round
-            logits += log
-            verified += res.trace_verify_len
-            accepted += res.trace_accepted
+        for res in result.requests:
+            for z, v, a in zip(res.trace_confidence_logits, res.trace_verify_len, res.trace_accepted, strict=True):
+                if z:  # a round that drafted (the fixed scheduler drafts every round)
+                    logits.append(z)
+                    verified.append(v)
+                    accepted.append(a)
     return np.array(logits, dtype=float), np.array(verified), np.array(accepted)
 
 

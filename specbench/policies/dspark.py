@@ -2,7 +2,7 @@
 load-aware verification. Also DFlash (its parallel backbone alone) as the same policy class
 without a confidence head.
 
-Per round (reference/dspark.md §4.5, §8):
+Per round (docs/dspark.md §4, §5):
   propose   the drafter's parallel backbone drafts a γ-block per row from the target features of
             the committed prefix (persistent draft context cache), the Markov head samples it left
             to right from the exact bias-corrected distributions; the confidence head scores each
@@ -23,7 +23,7 @@ profile, whether drafting paid: max over Algorithm 1's admission path of
 E[tokens] / (draft(b) + step(b, 1 + max ℓ)) against rows / step(b, 1). If not, the next rounds
 skip the drafter (plain decode steps, ℓ = 0 for every row) and probe again after 1, 2, 4 … 64
 skipped rounds. The decision uses confidences of earlier rounds only, never the current drafts,
-so it is lossless for the same reason as the production variant's stale capacity (§4.4).
+so it is lossless for the same reason as the production variant's stale capacity (docs/dspark.md §4.6, §4.4).
 """
 from __future__ import annotations
 
@@ -83,8 +83,6 @@ class DSpark(Policy):
         # The draft gate (module docstring): one object, driven the same way by propose() here and
         # by the concurrency simulator (specbench/analysis/simulate.py) on replayed confidences.
         self.gate = DraftGate(self.gamma, step_seconds, self.draft_seconds) if draft_gate else None
-        # Raw confidence logits per row per round (before STS), for calibration and traces.
-        self.confidence_log: list[list[list[float]]] = []
 
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
@@ -104,7 +102,6 @@ class DSpark(Policy):
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
-        self.confidence_log = [[] for _ in range(b)]
         # The batch's temperature is fixed for its life: pick its STS fit and move it once, not per round.
         self.batch_sts = self.sts_temperatures(state.temperature)[: self.gamma].to(state.tokens.device)
         if self.gate is not None:
@@ -117,18 +114,16 @@ class DSpark(Policy):
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
         tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p, state.generator)
         tokens, probs = tokens[:, : self.gamma], probs[:, : self.gamma]
-        confidence = None
+        confidence = raw = None
         if conf_logits is not None:
-            raw = conf_logits[:, : self.gamma].float().tolist()
-            for r in state.active.nonzero().flatten().tolist():
-                self.confidence_log[r].append(raw[r])
-            confidence = torch.sigmoid(conf_logits[:, : self.gamma].float() / self.batch_sts)
+            raw = conf_logits[:, : self.gamma].float()  # the core records them for STS calibration
+            confidence = torch.sigmoid(raw / self.batch_sts)
             if self.gate is not None:
                 self.gate.update(confidence, state.active)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide.
         return Draft(tokens=tokens, probs=probs if state.temperature > 0 else None, lengths=lengths,
-                     confidence=confidence)
+                     confidence=confidence, confidence_logits=raw)
 
     def _sps(self, b: int, n: int):
         return rounds_per_second(self.step_seconds, self.draft_seconds, b, n)
@@ -164,7 +159,7 @@ class DSpark(Policy):
         if self.scheduler == "algorithm1":
             out[active] = algorithm1_lengths(conf[active], lengths[active], self._sps(b, rows), early_stop=True, padded=True)
             return out
-        # Production variant (§4.4): capacity from confidences two rounds old (a causal barrier, so
+        # Production variant (docs/dspark.md §4.4): capacity from confidences two rounds old (a causal barrier, so
         # no early stop is needed), then a top-K over the current cumulative confidences.
         self.stale_confidence.append((conf[active].clone(), lengths[active].clone()))
         stale_conf, stale_len = self.stale_confidence[0]

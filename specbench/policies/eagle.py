@@ -1,4 +1,4 @@
-"""EAGLE: a trained one-layer head drafting from the target's own features (anchors.md §2), as a
+"""EAGLE: a trained one-layer head drafting from the target's own features (docs/eagle.md), as a
 chain (EAGLE-1/3 style, depth K) or as an EAGLE-2 dynamic draft tree, verified in one target pass.
 
 Per row the head keeps its own KV cache over the committed sequence (specbench.drafters.eagle:
@@ -182,20 +182,3 @@ class Eagle(Policy):
         return Draft(tokens=tokens, probs=None, lengths=torch.full((b,), n, dtype=torch.long, device=device),
                      parents=parents)
 
-
-# ----------------------------------------------------------------------------------------------
-# Builders (policies/eagle.toml, policies/eagle-chain.toml)
-
-
-def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str = "tree", depth: int = 5,
-                top_k: int = 10, total_tokens: int = 60, draft_vocab: int = 0) -> Policy:
-    from specbench.drafters.eagle import load_eagle_head
-    from specbench.drafters.formats import load_drafter_any
-
-    return Eagle(load_drafter_any(drafter, target, ("eagle",), load_eagle_head), mode=mode, depth=depth, top_k=top_k,
-                 total_tokens=total_tokens, draft_vocab=draft_vocab, drafter=drafter)
-
-
-def build_eagle_chain(target, drafter: str = "drafters/smollm2-135m/eagle", depth: int = 5,
-                      draft_vocab: int = 0) -> Policy:
-    return build_eagle(target, drafter=drafter, mode="chain", depth=depth, draft_vocab=draft_vocab)

@@ -116,6 +116,23 @@ def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
     return FixedK(load_drafter_any(drafter, target, ("draft-lm",), load_draft_lm), k=k, drafter=drafter)
 
 
+def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str = "tree", depth: int = 5,
+                top_k: int = 10, total_tokens: int = 60, draft_vocab: int = 0) -> Policy:
+    """EAGLE over a trained EAGLE-3-style head (the suite's or a published one): a dynamic draft tree
+    (mode "tree", EAGLE-2's depth / top_k / total_tokens) or a chain of `depth` drafts; docs/eagle.md §4."""
+    from specbench.drafters.eagle import load_eagle_head
+    from specbench.drafters.formats import load_drafter_any
+    from specbench.policies.eagle import Eagle
+
+    return Eagle(load_drafter_any(drafter, target, ("eagle",), load_eagle_head), mode=mode, depth=depth, top_k=top_k,
+                 total_tokens=total_tokens, draft_vocab=draft_vocab, drafter=drafter)
+
+
+def build_eagle_chain(target, drafter: str = "drafters/smollm2-135m/eagle", depth: int = 5,
+                      draft_vocab: int = 0) -> Policy:
+    return build_eagle(target, drafter=drafter, mode="chain", depth=depth, draft_vocab=draft_vocab)
+
+
 def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
                  threshold: float = 0.5, gamma: int | None = None, profile: str = "auto", calibrated: bool = True,
                  draft_gate: bool | None = None) -> Policy:

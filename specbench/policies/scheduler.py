@@ -1,13 +1,13 @@
 """How many drafted tokens each request verifies: DSpark's load-aware schedulers.
 
-All take per-request *conditional* acceptance confidences c[r, k] (k = 1..γ, calibrated; DSpark
-§3.1) and return verify lengths ℓ_r ∈ {0..γ}. Losslessness needs the decision to verify draft
-x_{r,k} not to depend on the value of x_{r,k} itself (DSpark §4.3). c[r, k] is computed from
+All take per-request *conditional* acceptance confidences c[r, k] (k = 1..γ, calibrated;
+docs/dspark.md §2.4) and return verify lengths ℓ_r ∈ {0..γ}. Losslessness needs the decision to verify draft
+x_{r,k} not to depend on the value of x_{r,k} itself (docs/dspark.md §4.3). c[r, k] is computed from
 x_{r,<k} only, so a rule that admits position k by looking at c[r, ≤k] (and at other requests)
 is safe; looking at c[r, k+1] — which depends on x_{r,k} — is not, and the Appendix A
 counterexample (tests/test_scheduler.py) shows the bias that follows.
 
-Variants (dspark.md §4.5):
+Variants (docs/dspark.md §4.5):
   fixed_lengths        ℓ = γ for every request
   threshold_lengths    the public repo's rule: stop at the first c_k < threshold
   algorithm1_lengths   DSpark Algorithm 1: global greedy admission by prefix survival
@@ -58,7 +58,7 @@ def algorithm1_lengths(
     confidence: Tensor, max_lengths: Tensor, sps: Callable[[int], float], early_stop: bool = True,
     padded: bool = False,
 ) -> Tensor:
-    """DSpark Algorithm 1 (dspark.md §4.2). B counts every request's anchor; Θ(B) = τ(B)·SPS(B).
+    """DSpark Algorithm 1 (docs/dspark.md §4.2). B counts every request's anchor; Θ(B) = τ(B)·SPS(B).
 
     padded: the engine verifies a right-padded [R, 1 + max ℓ] batch (specbench's core does), so
     the forward it pays for carries B = R·(1 + max_r ℓ_r) tokens rather than the packed Σ(1 + ℓ_r)."""

@@ -1,7 +1,7 @@
-"""Training DSpark and DFlash drafters (reference/dspark.md §5) on a target's cached features.
+"""Training DSpark and DFlash drafters (docs/dspark.md §6) on a target's cached features.
 
 Per optimiser step: `batch_size` sequences (shared deterministic order, `common.batch_indices`);
-per sequence up to `anchors` training blocks (§5.2):
+per sequence up to `anchors` training blocks (docs/dspark.md §6.1):
   * valid anchors p: loss_mask[p] = loss_mask[p+1] = 1 (the anchor and its next token are both
     response tokens), sampled uniformly without replacement, sorted; shortfalls are padding
     blocks (anchor 0, never supervised);
@@ -12,7 +12,7 @@ per sequence up to `anchors` training blocks (§5.2):
     (cumulative product), as DeepSpec's `eval_mask`.
 All blocks of a batch go through one `DSparkDrafter.forward_blocks` pass.
 
-Losses (§5.3, DeepSpec `loss.py`), each a weighted mean Σ w·ℓ / Σ w with w_k = exp(−k/4) on
+Losses (docs/dspark.md §6.2, as DeepSpec's `loss.py`), each a weighted mean Σ w·ℓ / Σ w with w_k = exp(−k/4) on
 supervised slots (k = 0..γ−1; the code's decay constant 4, not the paper's γ):
   dspark  0.1·CE(x*) + 0.9·‖p_d − p_t‖₁ + 1.0·BCE(σ(z_k), clamp(1 − ½‖p_d − p_t‖₁, 0, 1).detach())
           with p_d the bias-corrected (Markov) draft distribution, teacher-forced prefixes, T = 1
@@ -45,13 +45,13 @@ from specbench.train.eagle import vocab_rank
 __all__ = ["train", "load_dspark_drafter", "sample_anchors", "make_blocks", "block_loss"]
 
 LOSS_WEIGHTS = {"dspark": {"ce": 0.1, "l1": 0.9, "conf": 1.0}, "dflash": {"ce": 1.0, "l1": 0.0, "conf": 0.0}}
-DECAY = 4.0  # w_k = exp(−k / DECAY), DeepSpec's loss_decay_gamma (§5.3, §9 item 1)
+DECAY = 4.0  # w_k = exp(−k / DECAY), DeepSpec's loss_decay_gamma (docs/dspark.md §6.2)
 DEFAULTS = {"draft_layers": 2, "block_size": 7, "markov_rank": 64, "anchors": 32, "val_fraction": 0.05, "draft_vocab": 0}
 FIELDS = ("input_ids", "loss_mask", "taps", "last_hidden")
 
 
 # ---------------------------------------------------------------------------------------------
-# Training blocks (§5.2)
+# Training blocks (docs/dspark.md §6.1)
 
 
 def sample_anchors(loss_mask: Tensor, length: int, n: int, generator: torch.Generator) -> Tensor:
@@ -90,7 +90,7 @@ def position_weights(block_size: int, device=None) -> Tensor:
 
 def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor, sup: Tensor,
                variant: str, with_stats: bool = False) -> tuple[Tensor, dict]:
-    """The §5.3 loss of one batch of blocks. batch tensors on the drafter's device.
+    """The loss of docs/dspark.md §6.2 for one batch of blocks. batch tensors on the drafter's device.
     with_stats: also per-position acceptance estimates (teacher-forced, T = 1 and greedy)."""
     weights = LOSS_WEIGHTS[variant]
     device = drafter.device

@@ -1,4 +1,4 @@
-"""Training the EAGLE-3-style head (anchors.md §2.3; dspark.md §5.4's Eagle3 baseline) on a
+"""Training the EAGLE-3-style head (docs/eagle.md §3, also the DSpark paper's Eagle3 baseline) on a
 target's cached features (specbench.train.data).
 
 Per optimiser step: `batch_size` sequences (shared deterministic order, `common.batch_indices`).

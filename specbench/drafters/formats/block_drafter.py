@@ -1,6 +1,6 @@
 """The published DSpark / DFlash drafter architecture, as a `DSparkDrafter` (gpt-fast style).
 
-The suite's own drafter (specbench/dspark_model.py) and the published ones share the backbone:
+The suite's own drafter (specbench/drafters/dspark.py) and the published ones share the backbone:
 fc + hidden_norm over the concatenated target taps, Qwen3 decoder layers with KV injection
 (context K/V through each layer's own k_proj / v_proj, k-norm, rope at absolute positions),
 the final norm and the vanilla Markov bias W1[x_{k−1}]·W2. They differ in five places, which this
@@ -16,7 +16,7 @@ subclass adds so that a published checkpoint computes exactly what its own code 
     drafts;
   * two more Markov heads: "gated", B_k = W2(σ(W_g[h_k ; W1[x_{k−1}]] + b_g) ⊙ W1[x_{k−1}]),
     and "rnn", s_k = σ(g)⊙s_{k−1} + (1 − σ(g))⊙tanh(c), B_k = W2(tanh(o)) with (g, c, o) =
-    W_j[s_{k−1} ; W1[x_{k−1}] ; h_k] + b_j and s_0 = 0 (reference/dspark.md §2.2);
+    W_j[s_{k−1} ; W1[x_{k−1}] ; h_k] + b_j and s_0 = 0 (docs/dspark.md §2.3);
   * the embedding and the output head may be the checkpoint's own tensors (DeepSpec stores frozen
     copies of the target's) instead of the target's;
   * draft-layer widths come from the checkpoint's config (only the hidden size must match the

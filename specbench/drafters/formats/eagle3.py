@@ -9,7 +9,7 @@ default [1, L/2 − 1, L − 4] as SpecForge's `resolve_eagle_capture_layers`); 
 its **own** `lm_head` over the draft vocabulary, `d2t` (draft index j → token j + d2t[j]) and `t2d`,
 and usually a frozen copy of the target's `embed_tokens`.
 
-The suite's own head (specbench/eagle_model.py) is the same layer and the same training-time-test
+The suite's own head (specbench/drafters/eagle.py) is the same layer and the same training-time-test
 indexing; it differs in the output: it scores with the target's frozen lm_head (optionally the
 rows of its most frequent tokens) where EAGLE-3 trains its own head over a reduced vocabulary. This
 subclass uses the checkpoint's head and d2t map (and its embedding copy, when stored).

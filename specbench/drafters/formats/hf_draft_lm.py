@@ -1,6 +1,6 @@
 """A plain causal LM as the fixed-K draft model (Qwen3-0.6B beside Qwen3-8B, SmolLM2-135M beside
 SmolLM2-1.7B): any local HF directory or hub id with a `*ForCausalLM` config of a family the
-suite's own decoder runs (llama / qwen2 / qwen3 / mistral, specbench/model.py), and a tokenizer.
+suite's own decoder runs (llama / qwen2 / qwen3 / mistral, specbench/engine/model.py), and a tokenizer.
 
 The draft must speak the target's token ids: its tokenizer must have the same vocabulary (token →
 id) and the same special tokens as the target's, and its output layer the same number of rows.
