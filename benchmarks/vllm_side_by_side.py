@@ -41,6 +41,7 @@ def fmt(x, spec=".1f") -> str:
 def side_by_side(out: Path) -> str:
     sys.path.insert(0, str(REPO))
     from specbench.analysis import stats
+    from specbench.bench.envinfo import environment_table
 
     df = stats.load_results(out)
     summary = stats.summarize(df)
@@ -68,7 +69,7 @@ def side_by_side(out: Path) -> str:
                 f"{fmt(c['ratio_ci_high'], '.2f')}] | {fmt(s['throughput'])} | {fmt(v['throughput'])} | "
                 f"{fmt(thr_ratio, '.2f')}× | {fmt(v.get('tau'), '.2f')} | {fmt(v.get('acceptance_rate'), '.2f')} |")
         lines.append("")
-    env = stats.environment(df)
+    env = environment_table(df)
     lines += ["### Environment", ""] + [f"- {r['field']}: {r['value']}" for _, r in env.iterrows()] + [""]
     return "\n".join(lines)
 
