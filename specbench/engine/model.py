@@ -107,9 +107,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, gemm_pack: Ten
       head; Xeon with AMX, torch 2.13, min of 25 interleaved calls; fp32 showed no difference).
     * several rows with `gemm_pack` (`pack_for_gemm`): oneDNN's GEMM on the weight reordered once
       into its blocked layout, instead of reordering it on every call. Bit-identical to F.linear
-      (checked for 2 to 300 rows on every projection shape of the default model) and 10-15% less
-      time for a whole verify or batched-decode forward (docs/performance.md "Pre-packed GEMM
-      weights")."""
+      (checked for 2 to 300 rows on every projection shape of the default model) and 8-20% less
+      time for a whole verify or batched-decode forward (docs/performance.md "Decode core,
+      session 5")."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
         y = torch.mv(weight, x.reshape(-1))
         if bias is not None:
@@ -212,7 +212,7 @@ class Attention(nn.Module):
 
         Why: at b = 1 the 192x576 k/v and 576x576 q GEMVs are too small to stream their weights
         at full speed (bf16, 2 threads: 3.3 / 6.5 GB/s against 13.6 GB/s for the packed 960x576;
-        docs/performance.md "Packed q/k/v projections"). For a GEMV each output is its own
+        docs/performance.md "Decode core, session 5"). For a GEMV each output is its own
         dot product, so the packed product is bit-identical to the three separate ones; a GEMM
         (prefill) may block its work differently and round differently in bf16."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
