@@ -271,3 +271,37 @@ def test_calibrate_fits_each_sampling_temperature(target, data, trained, tmp_pat
     policy = build_dspark(target, drafter=str(path), scheduler="fixed")
     assert policy.params()["sts"] == {"0": [round(t, 3) for t in saved["fits"][0]["temperatures"]],
                                       "1": [round(t, 3) for t in saved["fits"][1]["temperatures"]]}
+
+
+def test_target_stats_give_the_whole_vocabulary_loss_and_are_cached(target, data):
+    """With a reduced draft vocabulary, the loss from the cached per-token log-normalisers and
+    greedy tokens (common.attach_target_stats) equals the loss from the target's whole-vocabulary
+    logits; the stats are written once and read back, and recomputed under another dtype."""
+    from specbench.train.common import TARGET_STATS_FILE, attach_target_stats
+    from specbench.train.data import TrainingData
+
+    args = DSparkArgs.for_target(target.model.args, tap_layers=TAPS, n_layers=1, block_size=4, markov_rank=8,
+                                 draft_vocab=target.model.args.vocab_size // 4)
+    drafter = build_drafter(args, target.model)
+    drafter.init_weights(torch.Generator().manual_seed(0))
+    fresh = TrainingData(data.path, target)
+    (fresh.path / TARGET_STATS_FILE).unlink(missing_ok=True)
+    idx = [0, 3, 5]
+    plain = _batch(fresh, idx, "cpu")
+    anchors, sup = make_blocks(plain, 5, 4, torch.Generator().manual_seed(1))
+    attach_target_stats(fresh, target.model.lm_head.weight, None, progress=False)
+    with_stats = _batch(fresh, idx, "cpu")
+    assert set(with_stats) - set(plain) == {"target_lse", "target_argmax"}
+    with torch.no_grad():
+        ref, ref_m = block_loss(drafter, plain, anchors, sup, "dspark", with_stats=True)
+        got, got_m = block_loss(drafter, with_stats, anchors, sup, "dspark", with_stats=True)
+    assert math.isclose(float(got), float(ref), rel_tol=1e-5)
+    for k in ("l1", "conf", "_pos_sum_t0", "_pos_sum_t1"):
+        assert torch.allclose(got_m[k], ref_m[k], rtol=1e-5, atol=1e-6), k
+    cached = (fresh.path / TARGET_STATS_FILE).stat().st_mtime_ns
+    again = TrainingData(data.path, target)
+    attach_target_stats(again, target.model.lm_head.weight, None, progress=False)
+    assert (fresh.path / TARGET_STATS_FILE).stat().st_mtime_ns == cached
+    assert torch.equal(again.sequence(3, ["target_lse"])["target_lse"], fresh.sequence(3, ["target_lse"])["target_lse"])
+    attach_target_stats(again, target.model.lm_head.weight, torch.bfloat16, progress=False)
+    assert (fresh.path / TARGET_STATS_FILE).stat().st_mtime_ns != cached

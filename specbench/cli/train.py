@@ -155,22 +155,6 @@ def add_corpus_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _measured_cpu_dtype() -> tuple[torch.dtype, dict]:
-    """The faster of fp32 and bf16 for a decode-sized GEMM on this CPU (bf16 matrix units exist
-    on some CPUs and not on others): best of 5 timings of [2048, 576] @ [576, 1536] each."""
-    timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, w = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
-        best = float("inf")
-        for _ in range(6):
-            t0 = time.perf_counter()
-            a @ w
-            best = min(best, time.perf_counter() - t0)
-        timings[str(dtype).replace("torch.", "")] = round(best * 1e3, 3)
-    faster = torch.bfloat16 if timings["bfloat16"] < timings["float32"] else torch.float32
-    return faster, {"gemm_ms": timings}
-
-
 def _git_commit(paths: list[Path], message: str) -> None:
     import subprocess
 
@@ -187,6 +171,7 @@ def _git_commit(paths: list[Path], message: str) -> None:
 
 def corpus_main(args: argparse.Namespace) -> int:
     from specbench.engine.loading import load_model
+    from specbench.train.common import measured_cpu_dtype
     from specbench.train.corpus import build_corpus
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -198,7 +183,7 @@ def corpus_main(args: argparse.Namespace) -> int:
     elif device.type == "cuda":
         dtype = torch.bfloat16
     else:
-        dtype, dtype_note = _measured_cpu_dtype()
+        dtype, dtype_note = measured_cpu_dtype()
     print(f"specbench: corpus generation in {str(dtype).replace('torch.', '')} on {device} "
           f"{dtype_note or ''}".rstrip(), file=sys.stderr)
     target = load_model(args.target, device=device, dtype=dtype)

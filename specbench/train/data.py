@@ -767,6 +767,10 @@ class TrainingData:
             self._files.append(f)
             self._loc += [(k, offs[s], offs[s + 1]) for s in range(len(offs) - 1)]
         self.lengths = torch.tensor([e - s for _, s, e in self._loc], dtype=torch.long)
+        # Sequence i's first token in the flat order of all tokens (shards, then sequences):
+        # how per-token fields computed after the build (`attach`) are indexed.
+        self.starts = torch.cumsum(self.lengths, 0) - self.lengths
+        self._attached: dict[str, torch.Tensor] = {}
 
     def _open(self, name: str):
         p = self.path / name
@@ -785,11 +789,26 @@ class TrainingData:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.sequence(i)
 
+    def attach(self, name: str, values: torch.Tensor) -> None:
+        """Serve `values` ([n_tokens, ...], one row per token in flat order, see `starts`) as the
+        per-token field `name` of every sequence, beside the stored ones."""
+        if name in FEATURE_FIELDS or len(values) != self.n_tokens:
+            raise ValueError(f"cannot attach {name!r}: a stored field, or not one row per token")
+        self._attached[name] = values
+
+    @property
+    def attached(self) -> tuple[str, ...]:
+        return tuple(self._attached)
+
     def sequence(self, i: int, fields: Sequence[str] = FEATURE_FIELDS) -> dict[str, torch.Tensor]:
         k, s, e = self._loc[i]
         f = self._files[k]
         out = {}
         for name in fields:
+            if name in self._attached:
+                start = int(self.starts[i])
+                out[name] = self._attached[name][start:start + e - s]
+                continue
             try:
                 t = f.get_slice(name)[s:e]
             except (SafetensorError, OSError) as err:

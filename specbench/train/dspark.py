@@ -19,7 +19,8 @@ supervised slots (k = 0..γ−1; the code's decay constant 4, not the paper's γ
   dflash  CE only (markov_rank 0, no confidence head)
 
 Optimisation: `common.run_training` — AdamW (wd 0), 4 % warmup + cosine, clip 1.0, fp32 master
-weights (bf16 autocast on CUDA), checkpoints and resume. The target's embedding and lm_head are
+weights, bf16 autocast where it is faster (`common.training_autocast`: CUDA, and CPUs with bf16
+matrix units, measured), checkpoints and resume. The target's embedding and lm_head are
 used frozen and never saved. Output: a "dspark" / "dflash" checkpoint (`save_drafter`), read by
 `load_dspark_drafter(path, target)`.
 
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specbench.drafters.dspark import KINDS, DSparkArgs, DSparkDrafter, build_drafter, load_dspark_drafter
-from specbench.train.common import CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training, save_drafter
+from specbench.train.common import (CURVE_FILE, LoopConfig, TrainResult, attach_target_stats, plot_loss_curve,
+                                    run_training, save_drafter, training_autocast)
 from specbench.train.eagle import vocab_rank
 
 __all__ = ["train", "load_dspark_drafter", "sample_anchors", "make_blocks", "block_loss"]
@@ -48,6 +50,7 @@ LOSS_WEIGHTS = {"dspark": {"ce": 0.1, "l1": 0.9, "conf": 1.0}, "dflash": {"ce": 
 DECAY = 4.0  # w_k = exp(−k / DECAY), DeepSpec's loss_decay_gamma (docs/dspark.md §6.2)
 DEFAULTS = {"draft_layers": 2, "block_size": 7, "markov_rank": 64, "anchors": 32, "val_fraction": 0.05, "draft_vocab": 0}
 FIELDS = ("input_ids", "loss_mask", "taps", "last_hidden")
+TARGET_STATS = ("target_lse", "target_argmax")  # per-token, from common.attach_target_stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,9 +92,13 @@ def position_weights(block_size: int, device=None) -> Tensor:
 
 
 def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor, sup: Tensor,
-               variant: str, with_stats: bool = False) -> tuple[Tensor, dict]:
+               variant: str, with_stats: bool = False, autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, dict]:
     """The loss of docs/dspark.md §6.2 for one batch of blocks. batch tensors on the drafter's device.
-    with_stats: also per-position acceptance estimates (teacher-forced, T = 1 and greedy)."""
+    with_stats: also per-position acceptance estimates (teacher-forced, T = 1 and greedy).
+    autocast_dtype: run the drafter's matrix products in it (`common.training_autocast`).
+    With a reduced draft vocabulary and the batch's `target_lse` / `target_argmax`
+    (`common.attach_target_stats`) the target's distribution is computed on the draft vocabulary
+    only; without them, from its whole-vocabulary logits (the same values up to rounding)."""
     weights = LOSS_WEIGHTS[variant]
     device = drafter.device
     g = drafter.block_size
@@ -106,7 +113,7 @@ def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor
     labels = ids.gather(1, label_pos.view(B, -1)).view(B, N, g)
     w_all = position_weights(g, device).expand(B, N, g)
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     with autocast:
         h = drafter.forward_blocks(taps, ids, anchors)  # [B, N, γ, d]
         hs, prevs = h[sup], prev[sup]  # only supervised slots reach the vocabulary projections
@@ -128,14 +135,23 @@ def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor
     if need_target:
         d = last.shape[-1]
         th = last.gather(1, pos.view(B, N * g)[:, :, None].expand(B, N * g, d)).view(B, N, g, d)[sup]
+        stats = drafter.vocab_ids is not None and "target_lse" in batch
         with torch.no_grad(), autocast:
-            t_logits = drafter.target_logits(th.to(drafter.dtype))
-        p_t = torch.softmax(t_logits.float(), dim=-1)
-        if drafter.vocab_ids is None:
-            l1 = (logp.exp() - p_t).abs().sum(-1)  # ‖p_d − p_t‖₁ = 2·TV; gradients reach the draft only
-        else:  # p_d is 0 outside the draft vocabulary: that part of ‖p_d − p_t‖₁ is p_t's mass there
-            p_t_in = p_t[:, drafter.vocab_ids]
-            l1 = (logp.exp() - p_t_in).abs().sum(-1) + (1 - p_t_in.sum(-1)).clamp_min(0)
+            if stats:  # p_t on the draft vocabulary: its rows of the head, the whole vocabulary's normaliser
+                lse = batch["target_lse"].gather(1, pos.view(B, N * g)).view(B, N, g)[sup]
+                p_t_in = (drafter.base_logits(th.to(drafter.dtype)).float() - lse[:, None]).exp()
+                t_argmax = batch["target_argmax"].gather(1, pos.view(B, N * g)).view(B, N, g)[sup]
+            else:
+                t_logits = drafter.target_logits(th.to(drafter.dtype)).float()
+                t_argmax = t_logits.argmax(-1)
+                p_t_in = torch.softmax(t_logits, dim=-1)
+                if drafter.vocab_ids is not None:
+                    p_t_in = p_t_in[:, drafter.vocab_ids]
+        # ‖p_d − p_t‖₁ = 2·TV; gradients reach the draft only. p_d is 0 outside a reduced draft
+        # vocabulary: that part of the norm is p_t's mass there.
+        l1 = (logp.exp() - p_t_in).abs().sum(-1)
+        if drafter.vocab_ids is not None:
+            l1 = l1 + (1 - p_t_in.sum(-1)).clamp_min(0)
         accept = (1 - 0.5 * l1).clamp(0, 1).detach()  # c*_k: analytic acceptance probability at T = 1
         if weights["l1"] > 0:
             l1_loss = (w * l1).sum() / wsum
@@ -148,7 +164,7 @@ def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor
             metrics["conf"] = conf_loss
         metrics["accept_t1"] = (w * accept).sum() / wsum
         if with_stats:
-            agree = (drafter.to_token_ids(logp.argmax(-1)) == t_logits.float().argmax(-1)).float()
+            agree = (drafter.to_token_ids(logp.argmax(-1)) == t_argmax).float()
             for name, val in (("t1", accept), ("t0", agree)):
                 sums = torch.zeros(g, device=device).index_add_(0, k_idx, val.float())
                 counts = torch.zeros(g, device=device).index_add_(0, k_idx, torch.ones_like(val, dtype=torch.float32))
@@ -161,11 +177,12 @@ def block_loss(drafter: DSparkDrafter, batch: dict[str, Tensor], anchors: Tensor
 
 
 def _batch(data, indices, device) -> dict[str, Tensor]:
-    b = data.batch(indices, FIELDS)
+    b = data.batch(indices, FIELDS + tuple(f for f in TARGET_STATS if f in data.attached))
     return {k: v.to(device) for k, v in b.items()}
 
 
-def evaluate(drafter: DSparkDrafter, data, indices, batch_size: int, n_anchors: int, variant: str, seed: int) -> dict:
+def evaluate(drafter: DSparkDrafter, data, indices, batch_size: int, n_anchors: int, variant: str, seed: int,
+             autocast_dtype: torch.dtype | None = None) -> dict:
     """Validation: slot-weighted mean losses, plus per-position acceptance estimates under teacher
     forcing (α_k at T = 1: mean of 1 − ½‖p_d − p_t‖₁; at T = 0: argmax agreement) and the τ they
     imply for a full block, τ̂ = 1 + Σ_k Π_{i≤k} α_i (an offline proxy; the suite measures real τ).
@@ -178,7 +195,7 @@ def evaluate(drafter: DSparkDrafter, data, indices, batch_size: int, n_anchors: 
     for j in range(0, len(indices), batch_size):
         batch = _batch(data, indices[j:j + batch_size], drafter.device)
         anchors, sup = make_blocks(batch, n_anchors, drafter.block_size, gen)
-        loss, m = block_loss(drafter, batch, anchors, sup, variant, with_stats=True)
+        loss, m = block_loss(drafter, batch, anchors, sup, variant, with_stats=True, autocast_dtype=autocast_dtype)
         wt = m.pop("slots")
         for name in ("t1", "t0"):
             pos_sum[name] = pos_sum[name] + m.pop(f"_pos_sum_{name}").cpu()
@@ -225,17 +242,20 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
     if args.draft_vocab:  # the most frequent response tokens of the training split (EAGLE-3's choice)
         drafter.set_draft_vocab(vocab_rank(data, train_idx, args.model_args.vocab_size)[: args.draft_vocab])
+    amp = training_autocast(device)
+    if args.draft_vocab:
+        attach_target_stats(data, target.model.lm_head.weight, amp, progress=progress)
     cfg = LoopConfig.from_budget(budget, seed)
 
     def loss_fn(indices, generator):
         batch = _batch(data, indices, device)
         anchors, sup = make_blocks(batch, n_anchors, args.block_size, generator)
-        loss, metrics = block_loss(drafter, batch, anchors, sup, variant)
+        loss, metrics = block_loss(drafter, batch, anchors, sup, variant, autocast_dtype=amp)
         metrics.pop("slots")
         return loss, metrics
 
     def eval_fn():
-        return evaluate(drafter, data, val_idx, cfg.batch_size, n_anchors, variant, seed)
+        return evaluate(drafter, data, val_idx, cfg.batch_size, n_anchors, variant, seed, autocast_dtype=amp)
 
     t0 = time.perf_counter()
     history, steps = run_training(drafter, loss_fn, train_idx, cfg, out_dir, resume=resume,

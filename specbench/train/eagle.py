@@ -16,7 +16,7 @@ uniformly without replacement among supervised step-0 slots, sorted); step 0 alw
 whole sequence, since its keys are every later query's context. 0 = every index (EAGLE-3).
 
 Optimisation: `common.run_training` — AdamW (wd 0), 4 % warmup + cosine, clip 1.0, fp32 master
-weights (bf16 autocast on CUDA), checkpoints and resume. The target's embedding and lm_head are
+weights, bf16 autocast where it is faster (`common.training_autocast`), checkpoints and resume. The target's embedding and lm_head are
 used frozen and never saved. Output: an "eagle" checkpoint (`save_drafter`), read by
 `load_eagle_head(path, target)`.
 
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from specbench.drafters.eagle import KIND, EagleArgs, EagleHead, build_head, load_eagle_head
 from specbench.train.common import (BUDGETS, CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
-                                    save_drafter)
+                                    save_drafter, training_autocast)
 
 __all__ = ["train", "load_eagle_head", "ttt_loss", "evaluate", "options", "vocab_rank"]
 
@@ -94,11 +94,12 @@ def sample_positions(sup0: Tensor, n: int, generator: torch.Generator) -> tuple[
 
 
 def ttt_loss(head: EagleHead, batch: dict[str, Tensor], steps: int, positions: int = 0,
-             generator: torch.Generator | None = None, with_stats: bool = False) -> tuple[Tensor, dict]:
+             generator: torch.Generator | None = None, with_stats: bool = False,
+             autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, dict]:
     """The weighted TTT loss of one batch (tensors on the head's device). Metrics: per-step CE,
     and the teacher-free acceptance estimates per step (α_i at T = 1: 1 − TV(p_head, p_target);
     greedy: argmax agreement) — step i's are conditional on the head's own earlier steps, as at
-    inference along a chain."""
+    inference along a chain. autocast_dtype: the matrix products' dtype (`common.training_autocast`)."""
     device = head.device
     ids, taps, last = batch["input_ids"], batch["taps"], batch["last_hidden"]
     B, T = ids.shape
@@ -108,7 +109,7 @@ def ttt_loss(head: EagleHead, batch: dict[str, Tensor], steps: int, positions: i
         sup = sup.gather(1, q_index[..., None].expand(-1, -1, steps)) & keep[..., None]
     else:
         q_index = None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     with autocast:
         outs = head.forward_ttt(taps, ids, steps, q_index)
     index = torch.arange(T, device=device).expand(B, T) if q_index is None else q_index
@@ -157,7 +158,8 @@ def _batch(data, indices, device) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, data, indices, batch_size: int, steps: int, positions: int = 0, seed: int = 0) -> dict:
+def evaluate(head: EagleHead, data, indices, batch_size: int, steps: int, positions: int = 0, seed: int = 0,
+             autocast_dtype: torch.dtype | None = None) -> dict:
     """Validation on held-out sequences (every index, or `positions` per sequence drawn from a
     fixed generator, so every evaluation sees the same slots): mean batch loss, slot-weighted
     per-step CE / acceptance estimates, and τ̂ = 1 + Σ_k Π_{i≤k} α_i for a chain of `steps` drafts
@@ -168,7 +170,7 @@ def evaluate(head: EagleHead, data, indices, batch_size: int, steps: int, positi
     loss_sum, loss_n = 0.0, 0
     for j in range(0, len(indices), batch_size):
         batch = _batch(data, indices[j:j + batch_size], head.device)
-        loss, m = ttt_loss(head, batch, steps, positions, gen, with_stats=True)
+        loss, m = ttt_loss(head, batch, steps, positions, gen, with_stats=True, autocast_dtype=autocast_dtype)
         loss_sum += float(loss)
         loss_n += 1
         for i in range(steps):
@@ -204,13 +206,14 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
     head.vocab_rank.copy_(vocab_rank(data, train_idx, args.model_args.vocab_size))
     cfg = LoopConfig.from_budget(budget, seed)
+    amp = training_autocast(device)
 
     def loss_fn(indices, generator):
-        loss, metrics = ttt_loss(head, _batch(data, indices, device), steps, positions, generator)
+        loss, metrics = ttt_loss(head, _batch(data, indices, device), steps, positions, generator, autocast_dtype=amp)
         return loss, {k: v for k, v in metrics.items() if not k.startswith("_")}
 
     def eval_fn():
-        return evaluate(head, data, val_idx, cfg.batch_size, steps, positions, seed)
+        return evaluate(head, data, val_idx, cfg.batch_size, steps, positions, seed, autocast_dtype=amp)
 
     t0 = time.perf_counter()
     history, done = run_training(head, loss_fn, train_idx, cfg, out_dir, resume=resume,
