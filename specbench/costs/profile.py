@@ -258,8 +258,8 @@ def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROF
         if engine_costs:
             data["round"] = measure_rounds(target.model, list(batches), list(qs), context, progress=bar)
             data["prefill"] = measure_prefill(target.model)
-    data.update(target=target.name, target_fingerprint=target.fingerprint, device=str(device),
-                device_name=device_name(device), torch=torch.__version__, dtype=dtype_name(target.model.lm_head.weight.dtype),
+    data.update(target=target.name, target_fingerprint=target.fingerprint, engine_digest=engine_digest(),
+                device=str(device), device_name=device_name(device), torch=torch.__version__, dtype=dtype_name(target.model.lm_head.weight.dtype),
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     choice = getattr(target, "dtype_choice", None)
     if choice:
@@ -305,6 +305,19 @@ def draft_time_model(entries: list[dict]):
     return seconds
 
 
+def engine_digest() -> str:
+    """A short hash of the decode core's source (specbench/engine/*.py and the drafters' modules): a
+    profile measured with other engine code does not describe this one's step times, so cached
+    and committed profiles carry it and are looked up only when it matches."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted([*(root / "engine").glob("*.py"), *(root / "drafters").glob("*.py")]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def drafter_digest(drafter_name: str | None) -> str:
     """A short hash of a drafter checkpoint's drafter.json (architecture, training summary), so a
     retrained or reshaped drafter under the same path is measured again rather than looked up."""
@@ -329,7 +342,8 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
 
     from specbench.engine.dtypes import dtype_name
 
-    key = drafter_cost_key(drafter_name, drafter_digest(drafter_name), device_name(target.model.device),
+    key = drafter_cost_key(drafter_name, f"{drafter_digest(drafter_name)}.{engine_digest()}",
+                           device_name(target.model.device),
                            dtype_name(target.model.lm_head.weight.dtype))
     cache = (cache_dir or default_cache_dir()) / "profiles" / DRAFTER_COSTS_FILE
     known = {}
@@ -347,14 +361,14 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
 
 def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
     """This device's cost profile for `target`: a committed one (results/profiles/) or a cached one
-    for the same target fingerprint, device name and dtype, else measured now (tens of seconds
-    on a CPU) and cached."""
+    for the same target fingerprint, device name, dtype and engine code (`engine_digest`), else
+    measured now (tens of seconds on a CPU) and cached."""
     from specbench.engine.loading import default_cache_dir
 
     from specbench.engine.dtypes import dtype_name
 
     device = target.model.device
-    wanted = (target.fingerprint, device_name(device), dtype_name(target.model.lm_head.weight.dtype))
+    wanted = (target.fingerprint, device_name(device), dtype_name(target.model.lm_head.weight.dtype), engine_digest())
     cache = (cache_dir or default_cache_dir()) / "profiles"
     for folder in [*committed_profiles(), cache]:
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -362,7 +376,8 @@ def load_or_measure_target(target, cache_dir: Path | None = None) -> dict:
                 data = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            found = (data.get("target_fingerprint"), data.get("device_name"), dtype_name(data.get("dtype", "")))
+            found = (data.get("target_fingerprint"), data.get("device_name"), dtype_name(data.get("dtype", "")),
+                     data.get("engine_digest"))
             if found == wanted:
                 return data
     data = measure_profile(target)
