@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import (MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq,
-                                    round_to_bucket)
+from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
+                                    pack_for_gemm, rope_cos_sin, rope_inv_freq, round_to_bucket)
 from specbench.engine.sampling import probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
@@ -192,13 +192,13 @@ class DSparkDrafter(nn.Module):
         self.args = args
         a = args.model_args
         d, m, r = a.dim, len(args.tap_layers), args.markov_rank
-        self.fc = nn.Linear(m * d, d, bias=False)
+        self.fc = Linear(m * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, a.norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList(DraftLayer(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(d, a.norm_eps)
         self.markov_w1 = nn.Embedding(a.vocab_size, r) if r > 0 else None
-        self.markov_w2 = nn.Linear(r, args.draft_vocab or a.vocab_size, bias=False) if r > 0 else None
+        self.markov_w2 = Linear(r, args.draft_vocab or a.vocab_size, bias=False) if r > 0 else None
         conf_in = d + (r if args.confidence_with_markov else 0)
         self.confidence_head = nn.Linear(conf_in, 1) if args.confidence_head else None
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
@@ -301,8 +301,26 @@ class DSparkDrafter(nn.Module):
         if self._draft_head is None or self._draft_head[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in training too
                 rows = w.index_select(0, self.vocab_ids.to(w.device))
-            self._draft_head = (key, rows)
+            self._draft_head = (key, rows, pack_for_gemm(rows))
         return self._draft_head[1]
+
+    def pack_weights(self) -> None:
+        """bf16 on a CPU: the projections' weights reordered once for oneDNN's GEMM, as the
+        target's (model.pack_for_gemm; a stale pack is refused, so training is unaffected). Runs
+        after every .to(), which replaces parameter storage; the draft head rows are re-gathered
+        (and packed) on next use."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemm_pack = pack_for_gemm(module.weight)
+        self._draft_head = None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.pack_weights()
+        return out
+
+    def __getstate__(self):  # copies and pickles leave the oneDNN pack of the head rows behind
+        return {**super().__getstate__(), "_draft_head": None}
 
     def set_draft_vocab(self, token_ids: Tensor) -> None:
         """The trainer's choice of the V_d draft tokens (e.g. the most frequent response tokens)."""
@@ -319,7 +337,10 @@ class DSparkDrafter(nn.Module):
     def base_logits(self, h: Tensor) -> Tensor:
         """U_k over the draft vocabulary (index j = token vocab_ids[j], or all tokens) with the
         target's frozen head (under autocast F.linear casts it)."""
-        return self._linear(h, self.draft_head_weight())
+        rows = self.draft_head_weight()
+        if self.vocab_ids is not None and rows.dtype == h.dtype and not torch.is_autocast_enabled(h.device.type):
+            return linear(h, rows, None, fresh_pack(rows, self._draft_head[2]))
+        return self._linear(h, rows)
 
     def target_logits(self, h: Tensor) -> Tensor:
         """The target's own logits from its final normed hidden state (whole vocabulary)."""
@@ -459,7 +480,8 @@ class DSparkDrafter(nn.Module):
 
     @torch.no_grad()
     def draft_block(self, anchor_tokens: Tensor, anchor_positions: Tensor | None, temperature: float,
-                    top_p: float = 1.0, generator: torch.Generator | None = None, return_logits: bool = False):
+                    top_p: float = 1.0, generator: torch.Generator | None = None, return_logits: bool = False,
+                    with_probs: bool = True):
         """Draft γ tokens per row after its anchor (semi-autoregressive, docs/dspark.md §2.3).
 
         anchor_tokens [b]; anchor_positions [b] (None = each row's context length, the normal
@@ -467,28 +489,41 @@ class DSparkDrafter(nn.Module):
         each token was drawn from, Markov bias for the realised prefix included, over the target's
         whole vocabulary (zero outside a reduced draft vocabulary) —, confidence logits [b, γ] or
         None for DFlash), plus the bias-corrected logits [b, γ, V_d] if return_logits.
-        temperature 0 = greedy (one-hot probs)."""
+        temperature 0 = greedy (one-hot probs). with_probs=False returns None for probs (a greedy
+        verifier reads the tokens only), which spares a sampler pass per slot at temperature 0."""
         h = self.block_hidden(anchor_tokens, anchor_positions)  # [b, γ, d]
         base = self.base_logits(h)  # U_k, all slots in parallel
+        greedy = temperature <= 0
         prev = anchor_tokens
         tokens, probs, logits_out, prevs = [], [], [], []
         for k in range(self.block_size):  # the sequential part: only a bias per step
             bias = self.markov_bias(prev)
             logits = base[:, k] if bias is None else base[:, k] + bias.to(base.dtype)
-            p = probs_from_logits(logits, temperature, top_p)
-            x = self.to_token_ids(sample(p, generator))
+            if greedy:  # the argmax: what sampling the one-hot probs_from_logits(·, 0) gives
+                index = logits.argmax(-1)
+            else:
+                p = probs_from_logits(logits, temperature, top_p)
+                index = sample(p, generator)
+                probs.append(p)
+            x = self.to_token_ids(index)
             prevs.append(prev)
             tokens.append(x)
-            probs.append(p)
             logits_out.append(logits)
             prev = x
         prev_tokens = torch.stack(prevs, dim=1)  # [anchor, x_1..x_{γ−1}]
-        probs = torch.stack(probs, dim=1)
-        if self.vocab_ids is not None:  # the verifier compares against the target's whole vocabulary
-            b, g, _ = probs.shape
-            full = torch.zeros(b, g, self.args.model_args.vocab_size, dtype=probs.dtype, device=probs.device)
-            probs = full.scatter_(2, self.vocab_ids.to(probs.device).expand(b, g, -1), probs)
-        out = (torch.stack(tokens, dim=1), probs, self.confidence_logits(h, prev_tokens))
+        tokens = torch.stack(tokens, dim=1)
+        if not with_probs:
+            probs = None
+        else:  # over the target's whole vocabulary: what the verifier compares against
+            b, g = tokens.shape
+            full = torch.zeros(b, g, self.args.model_args.vocab_size, dtype=torch.float32, device=tokens.device)
+            if greedy:
+                probs = full.scatter_(2, tokens[..., None], 1.0)
+            elif self.vocab_ids is not None:
+                probs = full.scatter_(2, self.vocab_ids.to(tokens.device).expand(b, g, -1), torch.stack(probs, dim=1))
+            else:
+                probs = torch.stack(probs, dim=1)
+        out = (tokens, probs, self.confidence_logits(h, prev_tokens))
         return out + (torch.stack(logits_out, dim=1),) if return_logits else out
 
 

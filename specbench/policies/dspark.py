@@ -112,8 +112,10 @@ class DSpark(Policy):
         if self.gate is not None and self.gate.skip():  # a plain decode step (the core verifies nothing)
             return None
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
-        tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p, state.generator)
-        tokens, probs = tokens[:, : self.gamma], probs[:, : self.gamma]
+        tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p,
+                                                                  state.generator, with_probs=state.temperature > 0)
+        tokens = tokens[:, : self.gamma]
+        probs = probs[:, : self.gamma] if probs is not None else None
         confidence = raw = None
         if conf_logits is not None:
             raw = conf_logits[:, : self.gamma].float()  # the core records them for STS calibration
@@ -121,8 +123,8 @@ class DSpark(Policy):
             if self.gate is not None:
                 self.gate.update(confidence, state.active)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
-        # At temperature 0 both sides are one-hot: the tokens alone decide.
-        return Draft(tokens=tokens, probs=probs if state.temperature > 0 else None, lengths=lengths,
+        # At temperature 0 both sides are one-hot: the tokens alone decide (no probs drafted).
+        return Draft(tokens=tokens, probs=probs, lengths=lengths,
                      confidence=confidence, confidence_logits=raw)
 
     def _sps(self, b: int, n: int):

@@ -125,9 +125,11 @@ class PublishedBlockDrafter(DSparkDrafter):
 
     @torch.no_grad()
     def draft_block(self, anchor_tokens: Tensor, anchor_positions: Tensor | None, temperature: float,
-                    top_p: float = 1.0, generator: torch.Generator | None = None, return_logits: bool = False):
-        """The parent's contract (tokens [b, γ], exact probs [b, γ, V], confidence logits or None,
-        optionally the corrected logits), with the published heads' sequential step."""
+                    top_p: float = 1.0, generator: torch.Generator | None = None, return_logits: bool = False,
+                    with_probs: bool = True):
+        """The parent's contract (tokens [b, γ], exact probs [b, γ, V] or None when not
+        with_probs, confidence logits or None, optionally the corrected logits), with the
+        published heads' sequential step."""
         h = self.block_hidden(anchor_tokens, anchor_positions)  # [b, γ, d]
         base = self.base_logits(h)
         prev, state = anchor_tokens, None
@@ -143,7 +145,8 @@ class PublishedBlockDrafter(DSparkDrafter):
             logits_out.append(logits)
             prev = x
         prev_tokens = torch.stack(prevs, dim=1)
-        out = (torch.stack(tokens, dim=1), torch.stack(probs, dim=1), self.confidence_logits(h, prev_tokens))
+        out = (torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if with_probs else None,
+               self.confidence_logits(h, prev_tokens))
         return out + (torch.stack(logits_out, dim=1),) if return_logits else out
 
 
