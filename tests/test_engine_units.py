@@ -194,3 +194,22 @@ def test_gemm_packs_are_used_in_bf16_and_refused_once_stale():
         assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
         assert torch.equal(linear(x, head.weight), head(x))
     assert tiny_model().lm_head.gemm_pack is None  # fp32: no pack
+
+
+def test_greedy_ids_is_argmax_with_ties_and_nan():
+    """sampling.greedy_ids (max(dim).indices, the fast route) gives argmax's index: the first
+    maximum on ties, NaN as the maximum, in bf16 and fp32, for every row count the core uses."""
+    from specbench.engine.sampling import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 8, 61):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(2, rows, 4099, generator=g).to(dtype)
+            coarse = (x * 2).round()  # many exact ties, including at the maximum
+            tied = x.clone()
+            tied[..., 7] = tied.amax(-1)
+            tied[..., 4000] = tied.amax(-1)
+            nan = x.clone()
+            nan[0, 0, 99] = float("nan")
+            for t in (x, coarse, tied, nan):
+                assert torch.equal(greedy_ids(t), t.argmax(-1))

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from specbench.errors import UserError
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
                                     pack_for_gemm, rope_cos_sin, rope_inv_freq, round_to_bucket)
-from specbench.engine.sampling import probs_from_logits, sample
+from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
 
@@ -500,7 +500,7 @@ class DSparkDrafter(nn.Module):
             bias = self.markov_bias(prev)
             logits = base[:, k] if bias is None else base[:, k] + bias.to(base.dtype)
             if greedy:  # the argmax: what sampling the one-hot probs_from_logits(·, 0) gives
-                index = logits.argmax(-1)
+                index = greedy_ids(logits)
             else:
                 p = probs_from_logits(logits, temperature, top_p)
                 index = sample(p, generator)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
-from specbench.engine.sampling import make_generator, probs_from_logits, sample
+from specbench.engine.sampling import greedy_ids, make_generator, probs_from_logits, sample
 from specbench.engine.verify import RoundOutcome, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 
 
@@ -149,7 +149,7 @@ def generate(
     logits, prompt_features, _ = forward_new_tokens(target, tokens[:, :p_max], zeros, policy.target_taps)
     last = logits[torch.arange(b, device=device), prompt_lengths - 1]
     if config.temperature <= 0:  # greedy: the argmax (what sampling a one-hot gives), no [b, V] one-hot
-        first = last.argmax(-1)
+        first = greedy_ids(last)
     else:
         first = sample(probs_from_logits(last, config.temperature, config.top_p), state.generator)
     commit_tokens(state, results, [[int(t)] for t in first.tolist()], eos, max_new)
@@ -222,7 +222,7 @@ def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_
     inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
     logits, verify_features, _ = forward_new_tokens(target, inputs, cache_lengths, policy.target_taps)
     if config.temperature <= 0:  # greedy fast path: argmax ids, the same outcome as one-hot verification
-        accepted, next_token = verify_chain_greedy(logits.argmax(-1), draft.tokens, verify_lengths)
+        accepted, next_token = verify_chain_greedy(greedy_ids(logits), draft.tokens, verify_lengths)
     else:
         target_probs = probs_from_logits(logits, config.temperature, config.top_p)
         accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
@@ -272,7 +272,7 @@ def _verify_tree_round(target, policy, state: BatchState, draft: Draft, n_nodes:
     forward = graphed or target
     logits, verify_features, _ = forward(inputs, positions, slots, mask, taps=policy.target_taps)
     if config.temperature <= 0:  # greedy fast path (verify_tree_greedy)
-        paths, next_token = verify_tree_greedy(logits.argmax(-1), draft.tokens, parents, n_nodes)
+        paths, next_token = verify_tree_greedy(greedy_ids(logits), draft.tokens, parents, n_nodes)
     else:
         target_probs = probs_from_logits(logits, config.temperature, config.top_p)
         paths, next_token = verify_tree(target_probs, draft.tokens, parents, draft.probs, n_nodes, state.generator)

@@ -40,7 +40,7 @@ from torch import Tensor
 from specbench.drafters.eagle import EagleHead
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
-from specbench.engine.sampling import probs_from_logits, sample
+from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 MODES = ("tree", "chain")
 
@@ -112,7 +112,7 @@ class Eagle(Policy):
                     p = torch.zeros(b, vocab, device=device).index_copy_(1, ids, p)
                 probs.append(p)
             else:
-                x = logits.argmax(-1)
+                x = greedy_ids(logits)
             if ids is not None:
                 x = ids[x]
             tokens.append(x)
