@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import (MLP, Attention, ModelArgs, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq,
-                                    round_to_bucket)
+from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
+                                    pack_for_gemm, rope_cos_sin, rope_inv_freq, round_to_bucket)
 
 KIND = "eagle"
 
@@ -80,9 +80,9 @@ class EagleAttention(Attention):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         bias, wide = args.attention_bias, 2 * args.dim
-        self.q_proj = nn.Linear(wide, args.n_heads * args.head_dim, bias=bias)
-        self.k_proj = nn.Linear(wide, args.n_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = nn.Linear(wide, args.n_kv_heads * args.head_dim, bias=bias)
+        self.q_proj = Linear(wide, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = Linear(wide, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = Linear(wide, args.n_kv_heads * args.head_dim, bias=bias)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Roped (and q/k-normed) q [b, q, nh, hd], k / v [b, q, nkv, hd] (the cache-free path)."""
@@ -144,7 +144,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.args = args
         a = args.model_args
-        self.fc = nn.Linear(len(args.tap_layers) * a.dim, a.dim, bias=False)
+        self.fc = Linear(len(args.tap_layers) * a.dim, a.dim, bias=False)
         self.layer = EagleLayer(a)
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
@@ -152,6 +152,7 @@ class EagleHead(nn.Module):
         # first n are the reduced draft vocabulary of `set_draft_vocab(n)`.
         self.register_buffer("vocab_rank", torch.arange(a.vocab_size, dtype=torch.int32))
         self._frozen = (embed_weight, lm_head_weight)  # a tuple hides them from nn.Module
+        self._head_pack: tuple | None = None  # (key, lm_head packed for oneDNN), see logits
         self.ctx_len: Tensor | None = None
         self.h_last: Tensor | None = None
         self.max_batch = self.max_seq = 0
@@ -199,12 +200,36 @@ class EagleHead(nn.Module):
         """Target taps [..., m·d] → the first step's hidden [..., d]."""
         return self.fc(features.to(self.dtype))
 
+    def pack_weights(self) -> None:
+        """bf16 on a CPU: the projections' weights reordered once for oneDNN's GEMM, as the
+        target's (model.pack_for_gemm; a stale pack is refused, so training is unaffected). Runs
+        after every .to(), which replaces parameter storage."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemm_pack = pack_for_gemm(module.weight)
+        self._head_pack = None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.pack_weights()
+        return out
+
+    def __getstate__(self):  # copies and pickles leave the oneDNN packs behind
+        return {**super().__getstate__(), "_head_pack": None}
+
     def logits(self, hidden: Tensor) -> Tensor:
-        """lm_head(norm(h)) with the target's frozen head (under autocast F.linear casts it)."""
+        """lm_head(norm(h)) with the target's frozen head (under autocast F.linear casts it). In
+        inference, bf16 on a CPU, through that head packed once for oneDNN (it scores every
+        frontier node of every tree level)."""
         h = self.norm(hidden)
         w = self.lm_head_weight
         if w.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
             w = w.to(h.dtype)
+        elif w.dtype == h.dtype and not torch.is_grad_enabled():
+            key = (w.data_ptr(), w._version)
+            if self._head_pack is None or self._head_pack[0] != key:
+                self._head_pack = (key, pack_for_gemm(w))
+            return linear(h, w, None, fresh_pack(w, self._head_pack[1]))
         return F.linear(h, w)
 
     def draft_vocab(self, n: int = 0) -> tuple[Tensor, Tensor] | None:
