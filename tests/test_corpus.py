@@ -106,15 +106,16 @@ KILLED_RUN = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     torch.set_num_threads(1)
     import specbench.train.corpus as corpus
+    import specbench.train.generation_pool as pool
     from helpers import tiny_target
-    real_generate, calls = corpus.generate, [0]
+    real_generate, calls = pool.generate, [0]
     def announcing_generate(*a, **kw):
         calls[0] += 1
         print("generate", calls[0], flush=True)
         if calls[0] == {hang_at}:
             time.sleep(600)  # the parent SIGKILLs us here, in the middle of a shard
         return real_generate(*a, **kw)
-    corpus.generate = announcing_generate
+    pool.generate = announcing_generate
     corpus.build_corpus(tiny_target(), {out!r}, 10**9, max_shards=3, **{build!r})
 """)
 
@@ -151,21 +152,21 @@ def test_sigkill_mid_shard_then_rerun_loses_and_duplicates_nothing(target, corpu
 
 
 def _generate_calls_per_shard(target, out) -> list[int]:
-    import specbench.train.corpus as corpus_module
+    import specbench.train.generation_pool as pool_module
 
-    counts, real = [], corpus_module.generate
+    counts, real = [], pool_module.generate
 
     def counting(*a, **kw):
         counts[-1] += 1
         return real(*a, **kw)
 
-    corpus_module.generate = counting
+    pool_module.generate = counting
     try:
         for k in range(2):
             counts.append(0)
             build_corpus(target, out, 10**9, max_shards=1, **BUILD)
     finally:
-        corpus_module.generate = real
+        pool_module.generate = real
     return counts
 
 
@@ -204,3 +205,21 @@ def test_committed_corpus_overlaps_no_evaluation_workload():
     assert len(prompts) == manifest["totals"]["n_prompts"] > 0
     assert [p for p in prompts if overlap.overlaps(p)] == []
     assert len(set(prompts)) == len(prompts)
+
+
+def test_worker_processes_write_the_same_shards(target, corpus, tmp_path):
+    """--workers 2: the Magpie rounds and response groups decoded by two one-thread processes give
+    the same shards as the one-process build (the `corpus` fixture): the same prompts, token ids,
+    offsets and masks. (Not the same file hash: safetensors writes its metadata keys in an order
+    that changes from process to process.)"""
+    out = tmp_path / "c"
+    build_corpus(target, out, 10**9, max_shards=2, workers=2, **BUILD)
+    manifest, shards = read_corpus(out)
+    reference, reference_shards = read_corpus(corpus)
+    assert len(shards) == 2
+    for got, want in zip(shards, reference_shards):
+        assert set(got) == set(want)
+        for key in want:
+            assert (got[key] == want[key]) if isinstance(want[key], list) else np.array_equal(got[key], want[key]), key
+    assert [s["prompt_sources"] for s in manifest["shards"]] == [s["prompt_sources"] for s in reference["shards"][:2]]
+    assert all(s["workers"] == 2 and s["threads"] == 1 for s in manifest["shards"])

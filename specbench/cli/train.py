@@ -143,6 +143,9 @@ def add_corpus_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256, help="response budget (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="rows generated together (default: %(default)s)")
     p.add_argument("--max-shards", type=int, default=None, help="write at most this many new shards")
+    p.add_argument("--workers", type=positive_int, default=1,
+                   help="one-thread processes decoding a shard's independent batches at once, on a CPU "
+                        "(default: %(default)s: this process); the shards are the same")
     p.add_argument("--seed", type=int, default=0, help="corpus seed (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="target dtype; auto: bfloat16 on CUDA, on CPU the faster of the two by a GEMM "
@@ -187,6 +190,8 @@ def corpus_main(args: argparse.Namespace) -> int:
     print(f"specbench: corpus generation in {str(dtype).replace('torch.', '')} on {device} "
           f"{dtype_note or ''}".rstrip(), file=sys.stderr)
     target = load_model(args.target, device=device, dtype=dtype)
+    if getattr(args, "workers", 1) > 1 and device.type != "cpu":
+        raise UserError("--workers is for CPU decoding; on a GPU one process drives the device")
 
     def commit(path: Path, manifest: dict) -> None:
         totals = manifest["totals"]
@@ -197,7 +202,7 @@ def corpus_main(args: argparse.Namespace) -> int:
     manifest = build_corpus(target, args.out, args.tokens, shard_prompts=args.shard_prompts,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                             max_shards=args.max_shards, on_shard=commit if args.commit else None,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, workers=getattr(args, "workers", 1))
     t = manifest["totals"]
     print(f"specbench: corpus {args.out}: {t['n_response_tokens']} response tokens, {t['n_sequences']} sequences "
           f"in {t['n_shards']} shards ({t['generation_s']:.0f} s of generation)", file=sys.stderr)

@@ -48,11 +48,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from specbench.engine.core import SamplingConfig, generate
+from specbench.engine.core import SamplingConfig
 from specbench import atomic
 from specbench.bench.envinfo import device_name
 from specbench.errors import UserError
-from specbench.engine.policy import Policy
+from specbench.train.generation_pool import GenerationPool
 from specbench.train.data import (
     MAGPIE_SAMPLING,
     MAGPIE_SYSTEMS,
@@ -131,10 +131,13 @@ def build_corpus(
     on_shard: Callable[[Path, dict], None] | None = None,
     max_shards: int | None = None,
     progress: bool = True,
+    workers: int = 1,
 ) -> dict:
     """Add shards to the corpus in `out_dir` until it holds `target_response_tokens` response
     tokens (or `max_shards` new shards were written); returns the manifest. `on_shard(path,
-    manifest)` runs after each shard is in place and listed (e.g. to commit it)."""
+    manifest)` runs after each shard is in place and listed (e.g. to commit it). workers > 1:
+    the shard's independently seeded batches (Magpie rounds, response groups) are decoded by that
+    many one-thread processes at once (train/generation_pool.py); the shards do not change."""
     model = target.model
     if model.args.vocab_size > UINT16_VOCAB:
         raise UserError(f"the corpus stores uint16 token ids; {target.name} has {model.args.vocab_size} tokens")
@@ -202,55 +205,60 @@ def build_corpus(
     bar = tqdm(total=target_response_tokens, initial=min(done_tokens, target_response_tokens),
                desc="corpus response tokens", unit="tok", disable=not progress)
     written = 0
-    while done_tokens < target_response_tokens and (max_shards is None or written < max_shards):
-        t0 = time.time()
-        n_magpie = round(shard_prompts * magpie_fraction)
-        prompts, _ = magpie_prompts(target, fmt, n_magpie, derive_seed(seed, "corpus", k), batch_size,
-                                     magpie_max_tokens, pfilter, progress)
-        for source, text in seed_prompts(8 * (shard_prompts - len(prompts)) + 64, derive_seed(seed, "seeds", k)):
-            if len(prompts) >= shard_prompts:
-                break
-            if pfilter.accept(text):
-                prompts.append((source, text))
-        if not prompts:
-            raise UserError(f"no new prompt passed the filters for shard {k}; the prompt sources are exhausted")
-        prompt_ids = [fmt.prompt_ids(text) for _, text in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: (len(prompt_ids[i]), i))
-        seqs: dict[int, tuple[list[int], bool]] = {}
-        for j in range(0, len(order), batch_size):
-            group = order[j:j + batch_size]
-            cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 seed=derive_seed(seed, "responses", k, j))
-            result = generate(model, Policy(), [prompt_ids[i] for i in group], cfg, eos)
-            for i, req in zip(group, result.requests):
-                if len(req.output_ids) >= min_response_tokens:
-                    seqs[i] = (req.output_ids, req.finish_reason == "eos")
-            bar.update(sum(len(r.output_ids) for r in result.requests if len(r.output_ids) >= min_response_tokens))
-        kept = sorted(seqs)
-        token_ids = [t for i in kept for t in prompt_ids[i] + seqs[i][0]]
-        offsets = np.cumsum([0] + [len(prompt_ids[i]) + len(seqs[i][0]) for i in kept]).astype(np.int64)
-        arrays = {
-            "token_ids": np.asarray(token_ids, dtype=np.uint16),
-            "seq_offsets": offsets,
-            "prompt_lengths": np.asarray([len(prompt_ids[i]) for i in kept], dtype=np.int32),
-            "finished_eos": np.asarray([seqs[i][1] for i in kept], dtype=np.uint8),
-            "prompt_index": np.asarray(kept, dtype=np.int32),
-        }
-        path = out / shard_name(k)
-        with atomic.replacing(path) as tmp:
-            save_file(arrays, str(tmp), metadata={"format": f"specbench-corpus-{FORMAT}", "build_key": build_key,
-                                                  "shard": str(k), "prompts": json.dumps(prompts)})
-        shard = _read_shard(path, build_key, k)
-        summary = _shard_summary(path, shard, time.time() - t0, dtype, device)
-        summary.update({"batch_size": batch_size, "threads": torch.get_num_threads(),
-                        "cpu": device_name(model.device)})
-        manifest["shards"].append(summary)
-        _write_manifest(manifest_file, manifest)
-        done_tokens += summary["n_response_tokens"]
-        written += 1
-        k += 1
-        if on_shard is not None:
-            on_shard(path, manifest)
+    pool = GenerationPool(model, workers)
+    try:
+        while done_tokens < target_response_tokens and (max_shards is None or written < max_shards):
+            t0 = time.time()
+            n_magpie = round(shard_prompts * magpie_fraction)
+            prompts, _ = magpie_prompts(target, fmt, n_magpie, derive_seed(seed, "corpus", k), batch_size,
+                                         magpie_max_tokens, pfilter, progress, pool=pool)
+            for source, text in seed_prompts(8 * (shard_prompts - len(prompts)) + 64, derive_seed(seed, "seeds", k)):
+                if len(prompts) >= shard_prompts:
+                    break
+                if pfilter.accept(text):
+                    prompts.append((source, text))
+            if not prompts:
+                raise UserError(f"no new prompt passed the filters for shard {k}; the prompt sources are exhausted")
+            prompt_ids = [fmt.prompt_ids(text) for _, text in prompts]
+            order = sorted(range(len(prompts)), key=lambda i: (len(prompt_ids[i]), i))
+            seqs: dict[int, tuple[list[int], bool]] = {}
+            groups = [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
+            jobs = [([prompt_ids[i] for i in group],
+                     SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    seed=derive_seed(seed, "responses", k, j * batch_size)), eos)
+                    for j, group in enumerate(groups)]
+            for group, outputs in zip(groups, pool.generate(jobs)):
+                for i, (ids, finish) in zip(group, outputs):
+                    if len(ids) >= min_response_tokens:
+                        seqs[i] = (ids, finish == "eos")
+                bar.update(sum(len(ids) for ids, _ in outputs if len(ids) >= min_response_tokens))
+            kept = sorted(seqs)
+            token_ids = [t for i in kept for t in prompt_ids[i] + seqs[i][0]]
+            offsets = np.cumsum([0] + [len(prompt_ids[i]) + len(seqs[i][0]) for i in kept]).astype(np.int64)
+            arrays = {
+                "token_ids": np.asarray(token_ids, dtype=np.uint16),
+                "seq_offsets": offsets,
+                "prompt_lengths": np.asarray([len(prompt_ids[i]) for i in kept], dtype=np.int32),
+                "finished_eos": np.asarray([seqs[i][1] for i in kept], dtype=np.uint8),
+                "prompt_index": np.asarray(kept, dtype=np.int32),
+            }
+            path = out / shard_name(k)
+            with atomic.replacing(path) as tmp:
+                save_file(arrays, str(tmp), metadata={"format": f"specbench-corpus-{FORMAT}", "build_key": build_key,
+                                                      "shard": str(k), "prompts": json.dumps(prompts)})
+            shard = _read_shard(path, build_key, k)
+            summary = _shard_summary(path, shard, time.time() - t0, dtype, device)
+            summary.update({"batch_size": batch_size, "threads": 1 if pool.workers > 1 else torch.get_num_threads(),
+                            "workers": pool.workers, "cpu": device_name(model.device)})
+            manifest["shards"].append(summary)
+            _write_manifest(manifest_file, manifest)
+            done_tokens += summary["n_response_tokens"]
+            written += 1
+            k += 1
+            if on_shard is not None:
+                on_shard(path, manifest)
+    finally:
+        pool.close()
     bar.close()
     _write_manifest(manifest_file, manifest)
     return manifest

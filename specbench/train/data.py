@@ -483,8 +483,14 @@ def derive_seed(*parts) -> int:
 
 
 def magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, max_tokens: int,
-                    pfilter: PromptFilter, progress: bool) -> tuple[list[tuple[str, str]], dict]:
-    """Up to `n` accepted Magpie user turns (fewer if attempts run out: 4·n + a batch)."""
+                    pfilter: PromptFilter, progress: bool, pool=None) -> tuple[list[tuple[str, str]], dict]:
+    """Up to `n` accepted Magpie user turns (fewer if attempts run out: 4·n + a batch). Rounds
+    are seeded independently, so a `pool` (train/generation_pool.py) with W workers decodes W
+    rounds at once; they are filtered in round order and rounds past the point where a serial
+    run stops are dropped, so the prompts are the same as with no pool."""
+    from specbench.train.generation_pool import GenerationPool
+
+    pool = pool or GenerationPool(target.model, workers=1)
     stop = list(dict.fromkeys(fmt.user_stop_ids + list(target.eos_token_ids)))
     headers = [fmt.user_header_ids(s) for s in MAGPIE_SYSTEMS]
     out: list[tuple[str, str]] = []
@@ -492,19 +498,27 @@ def magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, 
     max_attempts = 4 * n + batch_size
     bar = tqdm(total=n, desc="magpie prompts", unit="prompt", disable=not progress or n == 0, leave=False)
     while len(out) < n and attempts < max_attempts:
-        rows = [(attempts + r) % len(headers) for r in range(batch_size)]
-        cfg = SamplingConfig(max_new_tokens=max_tokens, seed=derive_seed(seed, "magpie", rnd), **MAGPIE_SAMPLING)
-        result = generate(target.model, Policy(), [headers[h] for h in rows], cfg, stop)
-        attempts += batch_size
-        rnd += 1
-        for h, req in zip(rows, result.requests):
-            if req.finish_reason != "eos" or not req.output_ids or req.output_ids[-1] not in stop:
-                incomplete += 1
-                continue
-            text = fmt.decode(req.output_ids[:-1]).strip()
-            if len(out) < n and pfilter.accept(text):
-                out.append((f"magpie:{h}", text))
-                bar.update(1)
+        rounds = []
+        for i in range(pool.workers):
+            first = attempts + i * batch_size
+            if first >= max_attempts:
+                break
+            rows = [(first + r) % len(headers) for r in range(batch_size)]
+            cfg = SamplingConfig(max_new_tokens=max_tokens, seed=derive_seed(seed, "magpie", rnd + i), **MAGPIE_SAMPLING)
+            rounds.append((rows, ([headers[h] for h in rows], cfg, stop)))
+        for rows, outputs in zip([r for r, _ in rounds], pool.generate([job for _, job in rounds])):
+            if len(out) >= n:
+                break  # a serial run would not have decoded this round
+            attempts += batch_size
+            rnd += 1
+            for h, (ids, finish) in zip(rows, outputs):
+                if finish != "eos" or not ids or ids[-1] not in stop:
+                    incomplete += 1
+                    continue
+                text = fmt.decode(ids[:-1]).strip()
+                if len(out) < n and pfilter.accept(text):
+                    out.append((f"magpie:{h}", text))
+                    bar.update(1)
     bar.close()
     stats = {"attempts": attempts, "accepted": len(out), "incomplete": incomplete}
     return out, stats
