@@ -10,7 +10,8 @@ target's decode step (q = 1) and its verify forward over 1 + γ tokens, and prin
 τ: the tokens a round must emit for drafting plus verifying to beat plain decoding,
 τ* = (T_draft + T_verify) / T_step.
 
-Usage (an otherwise idle machine; medians of interleaved repetitions):
+Usage (an otherwise idle machine; medians of --reps repetitions; the target's verify is timed once
+per (batch, γ) and shared by the shapes with that γ):
   python benchmarks/drafter_cost.py --dtype auto --batches 1,16 --out results/perf/drafter-cost.json
   python benchmarks/drafter_cost.py --shape tiny   # seconds: checks the script itself
 """
@@ -87,12 +88,13 @@ def main(argv=None) -> int:
     rows = []
     for b in batches:
         step = target_ms(model, b, 1, args.context, args.reps)
+        verify_by_gamma = {g: target_ms(model, b, 1 + g, args.context, args.reps) for g in sorted({s[1] for s in shapes})}
         for layers, gamma, vocab, rank in shapes:
             dargs = DSparkArgs.for_target(model.args, tap_layers=taps, n_layers=layers, block_size=gamma,
                                           markov_rank=rank, draft_vocab=vocab)
             drafter = build_drafter(dargs, model).eval()
             draft = draft_ms(drafter, b, args.context, args.reps)
-            verify = target_ms(model, b, 1 + gamma, args.context, args.reps)
+            verify = verify_by_gamma[gamma]
             rows.append({"batch": b, "layers": layers, "gamma": gamma, "draft_vocab": vocab or model.args.vocab_size,
                          "markov_rank": rank, "params_m": round(drafter.num_parameters() / 1e6, 2),
                          "draft_ms": round(draft, 3), "verify_ms": round(verify, 3), "step_ms": round(step, 3),
