@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from specbench.errors import UserError
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
-                                    pack_for_gemm, rope_cos_sin, rope_inv_freq, round_to_bucket)
+                                    pack_for_gemm, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
@@ -309,9 +309,7 @@ class DSparkDrafter(nn.Module):
         target's (model.pack_for_gemm; a stale pack is refused, so training is unaffected). Runs
         after every .to(), which replaces parameter storage; the draft head rows are re-gathered
         (and packed) on next use."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.gemm_pack = pack_for_gemm(module.weight)
+        pack_linears(self)
         self._draft_head = None
 
     def _apply(self, fn, recurse=True):

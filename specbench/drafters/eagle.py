@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from specbench.errors import UserError
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
-                                    pack_for_gemm, rope_cos_sin, rope_inv_freq, round_to_bucket)
+                                    pack_for_gemm, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 
 KIND = "eagle"
 
@@ -204,9 +204,7 @@ class EagleHead(nn.Module):
         """bf16 on a CPU: the projections' weights reordered once for oneDNN's GEMM, as the
         target's (model.pack_for_gemm; a stale pack is refused, so training is unaffected). Runs
         after every .to(), which replaces parameter storage."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.gemm_pack = pack_for_gemm(module.weight)
+        pack_linears(self)
         self._head_pack = None
 
     def _apply(self, fn, recurse=True):

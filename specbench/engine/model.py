@@ -144,6 +144,15 @@ def fresh_pack(weight: Tensor, pack: tuple[Tensor, tuple[int, int]] | None) -> T
     return pack[0]
 
 
+def pack_linears(module: nn.Module) -> None:
+    """`pack_for_gemm` for every `Linear` under `module` (a drafter's projections: bf16 on a CPU
+    they then run packed like the target's; elsewhere the packs are None). Call again after
+    anything that replaces parameter storage (.to(), load_state_dict(assign=True))."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.gemm_pack = pack_for_gemm(m.weight)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) through `linear`; `gemm_pack` is set by
     Transformer.pack_weights."""
