@@ -41,3 +41,14 @@ def test_verdict_names_the_draft_gate_and_the_scheduler():
     text = versus_ar(_records("pld", 17.0, 1.1, trace=trace, gate=False, seed=2)
                      + _records("ar", 20.0, 1.0, seed=1), "pld")
     assert "gate" not in text and "verified no draft in 80% of rounds" in text
+
+
+def test_a_run_that_paid_does_not_say_drafting_does_not_pay():
+    # 1 round in 10 gated in a run twice as fast as ar: the verdict says it paid, and the gate clause
+    # says which rounds were skipped, without claiming that drafting does not pay at all
+    trace = {"verify_len": [0] + [4] * 9, "accepted": [0] + [3] * 9, "confidence": [[]] + [[0.9] * 4] * 9}
+    text = versus_ar(_records("dspark", 40.0, 3.0, trace=trace, gate=True, seed=2)
+                     + _records("ar", 20.0, 1.0, seed=1), "dspark")
+    verdict = text.splitlines()[-1]
+    assert "dspark paid here" in verdict and "the draft gate skipped 10% of rounds" in verdict
+    assert "does not pay" not in verdict and "would not pay at the acceptance seen so far" in verdict

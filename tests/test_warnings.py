@@ -148,7 +148,7 @@ def test_draft_gate_said_where_it_skipped(tmp_path):
     f = _write_sweep(tmp_path / "s", _gate(_records(12)))
     s = stats.summarize(stats.load_results(f), n_resamples=200)
     pld = s[s["policy"] == "pld"].iloc[0]
-    assert pld["gate_skipped"] > 0 and "draft gate skipped" in pld["note"] and "does not pay at b = 1" in pld["note"]
+    assert pld["gate_skipped"] > 0 and "draft gate skipped" in pld["note"] and "would not pay at b = 1" in pld["note"]
     html, _ = _report_text(tmp_path, f)
     assert "draft gate skipped drafting in some rounds" in html
 

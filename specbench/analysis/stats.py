@@ -474,7 +474,8 @@ def gate_note(d: pd.DataFrame, rounds: int, skipped: int, batch_size) -> str:
     if drafted == 0:
         return (f"drafted nothing: the draft gate skipped {skipped} of {rounds} rounds and the scheduler verified "
                 f"no draft in the {rounds - skipped} it probed ({why})")
-    return f"draft gate skipped {skipped} of {rounds} rounds ({100 * skipped / rounds:.0f}%: {why})"
+    return (f"draft gate skipped {skipped} of {rounds} rounds ({100 * skipped / rounds:.0f}%: in those rounds "
+            f"the cost profile said drafting would not pay at b = {batch_size} at the acceptance seen so far)")
 
 
 def summarize(

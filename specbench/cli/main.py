@@ -401,8 +401,10 @@ def versus_ar(recs: list[dict], policy: str) -> str:
         no_draft = sum(1 for v, _ in rounds if v == 0) / len(rounds)
         gated = sum(1 for v, skipped in rounds if v == 0 and skipped) / len(rounds)
         if gated > 0:
-            why.append(f"the draft gate skipped {gated:.0%} of rounds: at this acceptance, drafting does not pay "
-                       "on this device by its cost profile")
+            # The gate skips only the rounds where the cost profile, at the acceptance measured so far,
+            # says a draft would cost more than it saves; that can happen in a run that paid overall.
+            why.append(f"the draft gate skipped {gated:.0%} of rounds, those where this device's cost profile said "
+                       "drafting would not pay at the acceptance seen so far")
         if no_draft - gated > 0.005:
             why.append(f"the scheduler verified no draft in {'another ' if gated else ''}{no_draft - gated:.0%} of rounds")
     if not why and taus[policy] < 1.5 and not (math.isfinite(lo) and lo > 1):
