@@ -175,7 +175,7 @@ def test_packed_qkv_never_bypasses_gradients():
 
 
 def test_gemm_packs_are_used_in_bf16_and_refused_once_stale():
-    """bf16 on a CPU: multi-row projections run on weights pre-packed for oneDNN's GEMM, with the
+    """bf16 on a CPU: projections of more than gemv.MAX_ROWS rows run on weights pre-packed for oneDNN's GEMM, with the
     same bits as F.linear; an in-place weight write makes the pack stale and the plain path runs."""
     from specbench.engine.model import fresh_pack, linear
 

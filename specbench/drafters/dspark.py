@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from specbench.errors import UserError
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
-                                    pack_for_gemm, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
+                                    pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
@@ -301,12 +301,12 @@ class DSparkDrafter(nn.Module):
         if self._draft_head is None or self._draft_head[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in training too
                 rows = w.index_select(0, self.vocab_ids.to(w.device))
-            self._draft_head = (key, rows, pack_for_gemm(rows))
+            self._draft_head = (key, rows, pack_weight(rows))
         return self._draft_head[1]
 
     def pack_weights(self) -> None:
         """bf16 on a CPU: the projections' weights reordered once for oneDNN's GEMM, as the
-        target's (model.pack_for_gemm; a stale pack is refused, so training is unaffected). Runs
+        target's (model.pack_weight; a stale pack is refused, so training is unaffected). Runs
         after every .to(), which replaces parameter storage; the draft head rows are re-gathered
         (and packed) on next use."""
         pack_linears(self)

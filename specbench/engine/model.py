@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from specbench.engine import cpu_kernels
 
 # Attention over a static cache reads it up to a whole number of buckets rather than to the exact
 # committed length, so a run's forwards see a few repeated shapes (cheap for the allocator, and
@@ -99,65 +102,88 @@ def _rope_scaling(c: dict) -> dict | None:
 FOLD_GQA_HEADS = True
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, gemm_pack: Tensor | None = None) -> Tensor:
-    """F.linear, with two faster routes for bf16 on a CPU that compute the same bits:
+class Packs(NamedTuple):
+    """A weight's copies in faster layouts, and the key they were made from (its storage and
+    version counter: any in-place write, such as a load_state_dict, an optimizer step or a write to
+    a view, or a replaced tensor makes them stale, and `fresh_pack` then refuses them)."""
+
+    key: tuple[int, int]
+    gemm: Tensor | None  # oneDNN's blocked layout, for its bf16 GEMM (more than cpu_kernels.MAX_ROWS rows)
+    gemv: Tensor | None  # the suite's GEMV layout (cpu_kernels.pack), for up to cpu_kernels.MAX_ROWS rows
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packs: Packs | None = None) -> Tensor:
+    """F.linear, with faster routes for bf16 on a CPU:
+
+    * up to cpu_kernels.MAX_ROWS rows with `packs.gemv` (a CPU with AVX-512 BF16, the kernel built): the
+      suite's own GEMV (engine/cpu_kernels.py). It streams the weights at close to the machine's read rate
+      and gives each row the same bits whatever the number of rows, so a verify forward at b = 1
+      projects exactly as the AR steps it replaces. Its bits are not F.linear's (both sum bf16
+      products in fp32, in other orders).
+
+    Where that kernel is absent, routes that compute F.linear's bits:
 
     * one row: a matrix-vector product. torch.mv gave bit-identical results and took 0.57-0.78x
       the time of F.linear's GEMM path for every SmolLM2-135M projection (576x576 to the 49152x576
       head; Xeon with AMX, torch 2.13, min of 25 interleaved calls; fp32 showed no difference).
-    * several rows with `gemm_pack` (`pack_for_gemm`): oneDNN's GEMM on the weight reordered once
-      into its blocked layout, instead of reordering it on every call. Bit-identical to F.linear
-      (checked for 2 to 300 rows on every projection shape of the default model) and 8-20% less
-      time for a whole verify or batched-decode forward (docs/performance.md "Decode core,
-      session 5")."""
+    * several rows with `packs.gemm`: oneDNN's GEMM on the weight reordered once into its blocked
+      layout, instead of reordering it on every call. Bit-identical to F.linear (checked for 2 to
+      300 rows on every projection shape of the default model) and 8-20% less time for a whole
+      verify or batched-decode forward (docs/performance.md "Decode core, session 5")."""
+    if packs is not None and torch.is_grad_enabled() and x.requires_grad:
+        packs = None  # neither packed route has a backward: a gradient must reach x (F.linear's route)
+    if packs is not None and cpu_kernels.gemv_applies(x, packs.gemv):
+        y = cpu_kernels.gemv(x, packs.gemv, weight.shape[0])
+        return y if bias is None else y + bias
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
         y = torch.mv(weight, x.reshape(-1))
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], -1)
-    if gemm_pack is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, gemm_pack, bias, "none", [], "")
+    if packs is not None and packs.gemm is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packs.gemm, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def pack_for_gemm(weight: Tensor | None) -> tuple[Tensor, tuple[int, int]] | None:
-    """(weight reordered for oneDNN's bf16 GEMM, the key it was made from) or None where that
-    route does not apply (not bf16, not a CPU, no oneDNN). The key is the weight's storage and
-    version counter: any in-place write (a load_state_dict, an optimizer step, a write to a view)
-    or a replaced tensor makes the pack stale, and `fresh_pack` then refuses it."""
-    if (weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
-            or not torch.backends.mkldnn.is_available()):
+def pack_weight(weight: Tensor | None) -> Packs | None:
+    """`Packs` of a bf16 CPU weight, or None where no faster layout applies (not bf16, not a CPU)."""
+    if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
-    with torch.no_grad(), torch.inference_mode(False):
-        # 8: the row count oneDNN tunes the layout for; the results are the same for any count.
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-    return packed, (weight.data_ptr(), weight._version)
+    gemm = None
+    if torch.backends.mkldnn.is_available():
+        with torch.no_grad(), torch.inference_mode(False):
+            # 8: the row count oneDNN tunes the layout for; the results are the same for any count.
+            gemm = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+    kernel = cpu_kernels.pack(weight)
+    if gemm is None and kernel is None:
+        return None
+    return Packs((weight.data_ptr(), weight._version), gemm, kernel)
 
 
-def fresh_pack(weight: Tensor, pack: tuple[Tensor, tuple[int, int]] | None) -> Tensor | None:
-    """The packed weight if it still matches `weight` and no gradient must reach `weight` (the
-    oneDNN route has no backward)."""
-    if pack is None or pack[1] != (weight.data_ptr(), weight._version):
+def fresh_pack(weight: Tensor, packs: Packs | None) -> Packs | None:
+    """`packs` if they still match `weight` and no gradient must reach `weight` (neither faster
+    route has a backward)."""
+    if packs is None or packs.key != (weight.data_ptr(), weight._version):
         return None
     if torch.is_grad_enabled() and weight.requires_grad:
         return None
-    return pack[0]
+    return packs
 
 
 def pack_linears(module: nn.Module) -> None:
-    """`pack_for_gemm` for every `Linear` under `module` (a drafter's projections: bf16 on a CPU
+    """`pack_weight` for every `Linear` under `module` (a drafter's projections: bf16 on a CPU
     they then run packed like the target's; elsewhere the packs are None). Call again after
     anything that replaces parameter storage (.to(), load_state_dict(assign=True))."""
     for m in module.modules():
         if isinstance(m, Linear):
-            m.gemm_pack = pack_for_gemm(m.weight)
+            m.gemm_pack = pack_weight(m.weight)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) through `linear`; `gemm_pack` is set by
     Transformer.pack_weights."""
 
-    gemm_pack: tuple[Tensor, tuple[int, int]] | None = None
+    gemm_pack: Packs | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias, fresh_pack(self.weight, self.gemm_pack))
@@ -184,6 +210,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if cpu_kernels.applies(x, self.weight):  # bf16 on a CPU: one fused call (cpu_kernels.cpp)
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -208,7 +236,7 @@ class Attention(nn.Module):
         self.v_cache: Tensor | None = None
         self.qkv_weight: Tensor | None = None  # see pack_qkv
         self.qkv_bias: Tensor | None = None
-        self.qkv_gemm_pack = None  # pack_for_gemm(qkv_weight), set by Transformer.pack_weights
+        self.qkv_gemm_pack = None  # pack_weight(qkv_weight), set by Transformer.pack_weights
 
     def __getstate__(self):
         return _without_packs(super().__getstate__())
@@ -257,6 +285,11 @@ class Attention(nn.Module):
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         if self._packed():
             qkv = linear(x, self.qkv_weight, self.qkv_bias, fresh_pack(self.qkv_weight, self.qkv_gemm_pack))
+            if self.q_norm is None and cpu_kernels.applies(qkv, self.k_cache, self.v_cache):
+                # bf16 on a CPU: split, rope and the cache write in one call, with the same bits
+                # as the steps below; q comes back as [b, nh, q, hd]
+                xq = cpu_kernels.qkv_rope_cache(qkv, cos, sin, slots, self.k_cache, self.v_cache, nh, nkv, hd)
+                return self._attend(xq, mask, folded_mask)
             xq, xk, xv = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
             xq, xk, xv = xq.reshape(b, q, nh, hd), xk.reshape(b, q, nkv, hd), xv.reshape(b, q, nkv, hd)
         else:
@@ -276,6 +309,13 @@ class Attention(nn.Module):
             rows = torch.arange(b, device=x.device)[:, None]
             self.k_cache[rows, :, slots] = xk.to(self.k_cache.dtype)
             self.v_cache[rows, :, slots] = xv.to(self.v_cache.dtype)
+        return self._attend(xq.transpose(1, 2), mask, folded_mask)
+
+    def _attend(self, xq: Tensor, mask: Tensor, folded_mask: Tensor | None) -> Tensor:
+        """SDPA of the new queries xq [b, nh, q, hd] over the cache (already holding their own keys
+        and values), then o_proj."""
+        b, nh, q, hd = xq.shape
+        nkv = self.n_kv_heads
         kv_len = mask.shape[-1]
         keys = self.k_cache[:b, :, :kv_len]
         values = self.v_cache[:b, :, :kv_len]
@@ -287,13 +327,13 @@ class Attention(nn.Module):
         group = nh // nkv
         keys, values = keys.to(xq.dtype), values.to(xq.dtype)
         if FOLD_GQA_HEADS:
-            xq = xq.transpose(1, 2).reshape(b, nkv, group * q, hd)
+            xq = xq.reshape(b, nkv, group * q, hd)
             if folded_mask is None:
                 folded_mask = fold_mask(mask, group)
             out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=folded_mask)
         else:  # the plain path (benchmarks compare against it): KV repeated per query head
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys, values, attn_mask=mask[:, None])
+            out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask[:, None])
         out = out.reshape(b, nh, q, hd).transpose(1, 2).reshape(b, q, nh * hd)
         return self.o_proj(out)
 
@@ -318,8 +358,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, cos, sin, slots, mask, folded_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, folded_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta = self.self_attn(self.input_layernorm(x), cos, sin, slots, mask, folded_mask)
+        norm = self.post_attention_layernorm
+        if cpu_kernels.applies(x, delta, norm.weight):  # bf16 on a CPU: the add and the norm in one call
+            x, h = cpu_kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        else:
+            x = x + delta
+            h = norm(x)
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -346,23 +392,24 @@ class Transformer(nn.Module):
         self.pack_weights()
 
     def pack_weights(self) -> None:
-        """Attention.pack_qkv in every layer, then (bf16 on a CPU) every projection's weight
-        reordered for oneDNN's GEMM (`pack_for_gemm`) — unless those copies would take more than
-        a quarter of the machine's memory (they double the weights' footprint). Runs at
+        """Attention.pack_qkv in every layer, then (bf16 on a CPU) every projection's weight copied
+        into the faster layouts (`pack_weight`: oneDNN's GEMM, the suite's GEMV kernel) — unless
+        those copies would take more than a quarter of the machine's memory (they triple the
+        weights' footprint). Runs at
         construction and after every .to() (which replaces parameter storage); a loader that
         assigns new parameters calls it again."""
         for layer in self.model.layers:
             layer.self_attn.pack_qkv()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         room = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4 if hasattr(os, "sysconf") else 0
-        pack = weight_bytes <= room
+        pack = 2 * weight_bytes <= room
         attentions = [layer.self_attn for layer in self.model.layers]
         in_qkv = {id(p) for a in attentions for p in (a.q_proj, a.k_proj, a.v_proj)}  # run packed together
         for module in self.modules():
             if isinstance(module, Linear):
-                module.gemm_pack = pack_for_gemm(module.weight) if pack and id(module) not in in_qkv else None
+                module.gemm_pack = pack_weight(module.weight) if pack and id(module) not in in_qkv else None
         for a in attentions:
-            a.qkv_gemm_pack = pack_for_gemm(a.qkv_weight) if pack else None
+            a.qkv_gemm_pack = pack_weight(a.qkv_weight) if pack else None
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)

@@ -1,0 +1,114 @@
+"""bf16 kernels for a decode step on a CPU (cpu_kernels.cpp): a GEMV for up to `MAX_ROWS` rows
+that streams the weights at close to the machine's read rate, and the small per-row ops around it
+(RMSNorm, residual add + RMSNorm, q/k/v split + rope + KV-cache write) fused into one call each.
+
+Built once per machine and torch with torch's C++ extension loader (g++ and ninja; torch keeps the
+build in its extensions folder and rebuilds when the source changes) and used only where it
+applies: bf16 on a CPU with AVX-512 BF16, no gradient needed. Everywhere else, or when the build
+fails (one line on stderr says why), model.py takes torch's routes. `SPECBENCH_CPU_KERNELS=0`
+turns the kernels off (A/B runs, bisecting); benchmarks flip `ENABLED`.
+
+Everything here works row by row in a fixed order, so a row gets the same bits alone or in a
+batch: at b = 1 a verify forward of up to `MAX_ROWS` tokens computes exactly what the AR steps it
+replaces would (tests/test_cpu_kernels.py). The GEMV and the norm's sum of squares round in other
+orders than torch's, so their bits are not torch's; rope and the residual add are.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+# Up to this many rows the GEMV took less time than oneDNN's pre-packed GEMM on every projection
+# of the default model; at 16 the GEMM (AMX tiles) wins (docs/performance.md "A bf16 GEMV of our own").
+MAX_ROWS = 8
+BLOCK = 32  # output features per packed block (cpu_kernels.cpp: kBlock)
+ENABLED = os.environ.get("SPECBENCH_CPU_KERNELS", "1") != "0"
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx512_bf16", "avx512bw", "avx512vl"))
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True once the kernels are built and loaded; False (with one line on stderr) where they can't be."""
+    if not cpu_has_avx512_bf16():
+        return False
+    from torch.utils import cpp_extension
+
+    t0 = time.time()
+    try:
+        cpp_extension.load(name="specbench_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, an assembler without AVX-512 BF16: torch's routes remain
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = next((line for line in lines if "error:" in line), lines[0][:200] if lines else type(e).__name__)
+        print(f"specbench: bf16 CPU kernels not built ({first}); using torch's routes", file=sys.stderr, flush=True)
+        return False
+    if time.time() - t0 > 5:
+        print(f"specbench: built the bf16 CPU kernels in {time.time() - t0:.0f} s (once per machine and torch)",
+              file=sys.stderr, flush=True)
+    return True
+
+
+def applies(*tensors: Tensor) -> bool:
+    """Whether the kernels may stand in for torch's ops on these tensors: all bf16 on a CPU, none
+    needing a gradient (the kernels have no backward)."""
+    if not ENABLED:
+        return False
+    grad = torch.is_grad_enabled()
+    return (all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and not (grad and t.requires_grad)
+                for t in tensors) and available())
+
+
+def pack(weight: Tensor) -> Tensor | None:
+    """`weight` [N, K] in the GEMV's layout [ceil(N/32), K/2, 32, 2] (zero rows pad N), or None
+    where the GEMV does not apply (not bf16, not a CPU, odd K, kernels unavailable)."""
+    if (not ENABLED or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.shape[1] % 2 or not available()):
+        return None
+    n, k = weight.shape
+    with torch.no_grad(), torch.inference_mode(False):
+        padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=weight.dtype)
+        padded[:n] = weight.detach()
+        return padded.view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemv_applies(x: Tensor, packed: Tensor | None) -> bool:
+    """Whether `gemv(x, packed, n)` may stand in for F.linear(x, weight)."""
+    return packed is not None and x.numel() <= MAX_ROWS * x.shape[-1] and applies(x)
+
+
+def gemv(x: Tensor, packed: Tensor, n: int) -> Tensor:
+    """x · weightᵀ over x's last axis (any leading shape) for the weight `packed` came from."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return torch.ops.specbench_cpu.gemv_bf16(rows, packed, n).view(*x.shape[:-1], n)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.ops.specbench_cpu.rms_norm_bf16(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta, RMSNorm(x + delta))."""
+    return torch.ops.specbench_cpu.add_rms_norm_bf16(x, delta, weight, eps)
+
+
+def qkv_rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   n_heads: int, n_kv_heads: int, head_dim: int) -> Tensor:
+    """rope(q) as [b, nh, q, hd] from the packed projection qkv [b, q, (nh + 2·nkv)·hd]; rope(k) and
+    v written into the caches at `slots` [b, q]."""
+    return torch.ops.specbench_cpu.qkv_rope_cache_bf16(qkv, cos, sin, slots, k_cache, v_cache,
+                                                       n_heads, n_kv_heads, head_dim)

@@ -1,0 +1,159 @@
+"""The bf16 CPU kernels (specbench/engine/cpu_kernels.py): the GEMV as accurate as F.linear, the same
+bits for a row whatever the number of rows beside it, used by `linear` exactly where it applies and
+never with a stale pack; the fused norm / rope / cache ops equal to torch's ops they replace.
+Skipped where the CPU has no AVX-512 BF16 or the kernels cannot be built (torch's routes then run,
+and every other test covers them)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specbench.engine import cpu_kernels
+from specbench.engine.core import forward_new_tokens
+from specbench.engine.model import RMSNorm, apply_rope, fresh_pack, linear, pack_weight, rope_cos_sin
+from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 BF16 CPU or the kernels did not build")
+
+
+def _relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((y.float() - exact).abs().max() / exact.abs().max())
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 64), (7, 18), (49, 576), (33, 1536)])
+def test_kernel_is_as_accurate_as_f_linear_and_row_invariant(n, k):
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    packed = cpu_kernels.pack(w)
+    assert packed.shape == (-(-n // 32), k // 2, 32, 2)
+    for m in (1, 2, 5, 8, 13):  # 13: a second pass over the weights
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = cpu_kernels.gemv(x, packed, n)
+        exact = x.double() @ w.double().T
+        # fp32 sums of exact bf16 products, rounded once to bf16: within F.linear's own error
+        assert _relative_error(y, exact) <= 2 * _relative_error(F.linear(x, w), exact) + 1e-2
+        alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], packed, n) for i in range(m)])
+        assert torch.equal(y, alone), f"rows changed bits in a batch of {m}"
+        assert torch.equal(cpu_kernels.gemv(x.view(1, m, k), packed, n), y.view(1, m, n))  # leading shape kept
+
+
+def test_padding_rows_of_the_last_block_are_never_written():
+    w = torch.randn(40, 32).to(torch.bfloat16)  # 40 = one full block + 8 features of a padded one
+    y = cpu_kernels.gemv(torch.randn(3, 32).to(torch.bfloat16), cpu_kernels.pack(w), 40)
+    assert y.shape == (3, 40) and torch.isfinite(y.float()).all()
+
+
+def test_linear_takes_the_kernel_up_to_max_rows_and_torch_above():
+    torch.manual_seed(0)
+    w = torch.randn(64, 48).to(torch.bfloat16)
+    packs = pack_weight(w)
+    assert packs.gemv is not None and packs.gemm is not None
+    few = torch.randn(cpu_kernels.MAX_ROWS, 48).to(torch.bfloat16)
+    many = torch.randn(cpu_kernels.MAX_ROWS + 1, 48).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(linear(few, w, None, packs), cpu_kernels.gemv(few, packs.gemv, 64))
+        assert torch.equal(linear(many, w, None, packs), F.linear(many, w))  # oneDNN's GEMM: F.linear's bits
+        bias = torch.randn(64).to(torch.bfloat16)
+        assert torch.equal(linear(few, w, bias, packs), cpu_kernels.gemv(few, packs.gemv, 64) + bias)
+        cpu_kernels.ENABLED = False
+        try:
+            assert torch.equal(linear(few[:1], w, None, packs), F.linear(few[:1], w))  # torch.mv: F.linear's bits
+        finally:
+            cpu_kernels.ENABLED = True
+    x = few.clone().requires_grad_(True)  # a gradient must reach x: torch's route, which has a backward
+    linear(x, w, None, packs).sum().backward()
+    assert x.grad is not None
+
+
+def test_a_stale_pack_is_never_used():
+    model = tiny_model(dtype=torch.bfloat16)
+    head = model.lm_head
+    assert head.gemm_pack.gemv is not None
+    x = torch.randn(1, 2, model.args.dim).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.mul_(0.5)
+    assert fresh_pack(head.weight, head.gemm_pack) is None
+    with torch.inference_mode():
+        assert torch.equal(head(x), F.linear(x, head.weight))
+
+
+def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces():
+    """At b = 1 a forward over q tokens and q forwards of one token give identical logits in bf16:
+    the property that keeps a greedy speculative policy token-identical to AR in bf16 at b = 1."""
+    model = tiny_model(vocab=96, dim=64, layers=2, dtype=torch.bfloat16)
+    prefix = torch.randint(0, 96, (1, 11))
+    new = torch.randint(0, 96, (1, cpu_kernels.MAX_ROWS))
+
+    def prefilled():
+        model.setup_cache(1, 64)
+        forward_new_tokens(model, prefix, torch.zeros(1, dtype=torch.long))
+
+    with torch.inference_mode():
+        prefilled()
+        together = forward_new_tokens(model, new, torch.full((1,), 11, dtype=torch.long))[0]
+        prefilled()
+        steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], torch.full((1,), 11 + i, dtype=torch.long))[0]
+                           for i in range(new.shape[1])], dim=1)
+    assert torch.equal(together, steps)
+
+
+def _torch_routes(fn):
+    cpu_kernels.ENABLED = False
+    try:
+        return fn()
+    finally:
+        cpu_kernels.ENABLED = True
+
+
+@torch.inference_mode()
+def test_norms_match_torch_to_a_rounding_and_the_residual_add_exactly():
+    torch.manual_seed(1)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.copy_(torch.rand(576) + 0.5)
+    x, delta = torch.randn(3, 5, 576).to(torch.bfloat16), torch.randn(3, 5, 576).to(torch.bfloat16)
+    fused, reference = norm(x), _torch_routes(lambda: norm(x))
+    # the sum of squares runs in another order: at most one bf16 rounding step apart
+    assert torch.allclose(fused.float(), reference.float(), rtol=2 ** -7, atol=0)
+    assert (fused != reference).float().mean() < 0.05
+    total, normed = cpu_kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta) and torch.equal(normed, norm(x + delta))
+    assert torch.equal(cpu_kernels.rms_norm(x[1:2, 3:4], norm.weight, norm.eps), fused[1:2, 3:4])  # row alone
+
+
+@torch.inference_mode()
+def test_qkv_rope_cache_gives_torchs_bits_and_writes_each_rows_slots():
+    torch.manual_seed(2)
+    b, q, nh, nkv, hd, max_seq = 3, 4, 6, 2, 16, 32
+    qkv = torch.randn(b, q, (nh + 2 * nkv) * hd).to(torch.bfloat16)
+    positions = torch.randint(0, 200, (b, q))
+    slots = torch.stack([torch.randperm(max_seq)[:q] for _ in range(b)])
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd)
+    cos, sin = rope_cos_sin(inv_freq, positions, torch.bfloat16)
+    k_cache, v_cache = torch.zeros(b + 1, nkv, max_seq, hd, dtype=torch.bfloat16), torch.zeros(b + 1, nkv, max_seq, hd,
+                                                                                                 dtype=torch.bfloat16)
+    xq = cpu_kernels.qkv_rope_cache(qkv, cos, sin, slots, k_cache, v_cache, nh, nkv, hd)
+    tq, tk, tv = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+    tq, tk = apply_rope(tq.reshape(b, q, nh, hd), cos, sin), apply_rope(tk.reshape(b, q, nkv, hd), cos, sin)
+    assert torch.equal(xq, tq.transpose(1, 2))
+    rows = torch.arange(b)[:, None]
+    assert torch.equal(k_cache[rows, :, slots], tk) and torch.equal(v_cache[rows, :, slots], tv.reshape(b, q, nkv, hd))
+    written = torch.zeros(b + 1, max_seq, dtype=torch.bool)
+    written[rows, slots] = True
+    assert not k_cache.permute(0, 2, 1, 3)[~written].any() and not v_cache.permute(0, 2, 1, 3)[~written].any()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.qkv_rope_cache(qkv, cos, sin, slots + max_seq, k_cache, v_cache, nh, nkv, hd)
+
+
+def test_a_forward_with_the_kernels_is_torchs_to_bf16_rounding():
+    model = tiny_model(vocab=96, dim=64, layers=2, scale=4.0, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 96, (2, 6))
+
+    def logits():
+        with torch.inference_mode():
+            model.setup_cache(2, 32)
+            return forward_new_tokens(model, tokens, torch.zeros(2, dtype=torch.long))[0].float()
+
+    fused, reference = logits(), _torch_routes(logits)
+    assert (fused - reference).abs().max() <= 0.05 * reference.abs().max()
+    assert (fused.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
