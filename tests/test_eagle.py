@@ -306,6 +306,43 @@ def test_options_per_budget():
     assert options(get_budget("tiny", ttt_steps=2))["ttt_steps"] == 2
 
 
+def test_reduced_vocabulary_loss_from_cached_target_stats_and_training(target, data, tmp_path):
+    """draft_vocab = V_d: the loss from the cached per-token target normalisers equals the one from
+    the target's whole-vocabulary softmax restricted to the draft vocabulary; training on it lowers
+    the loss and the card says which policy setting the head is for."""
+    from specbench.train.common import TARGET_STATS_FILE, attach_target_stats
+    from specbench.train.data import TrainingData
+    from specbench.train.eagle import _batch, ttt_loss, vocab_rank
+
+    n_vocab = target.model.args.vocab_size // 4
+    head = random_head(target.model, TAPS, std=0.1).float()
+    idx = [0, 2, 5]
+    head.vocab_rank.copy_(vocab_rank(data, idx, target.model.args.vocab_size))
+    vocab = head.vocab_rank[:n_vocab].long().sort().values
+    fresh = TrainingData(data.path, target)
+    (fresh.path / TARGET_STATS_FILE).unlink(missing_ok=True)
+    plain = _batch(fresh, idx, "cpu")
+    attach_target_stats(fresh, target.model.lm_head.weight, None, progress=False)
+    with_stats = _batch(fresh, idx, "cpu")
+    assert {"target_lse", "target_argmax"} <= set(with_stats) and not {"target_lse"} & set(plain)
+    with torch.no_grad():
+        ref, ref_m = ttt_loss(head, plain, 3, with_stats=True, vocab=vocab)
+        got, got_m = ttt_loss(head, with_stats, 3, with_stats=True, vocab=vocab)
+        whole, _ = ttt_loss(head, plain, 3, vocab=None)
+    assert abs(float(got) - float(ref)) <= 1e-5 * abs(float(ref)) and abs(float(got) - float(whole)) > 1e-4
+    for k in ("acc0_t1", "acc1_t1", "acc2_t0"):
+        assert abs(float(got_m[k]) - float(ref_m[k])) < 1e-5, k
+    result = train(target, data, tmp_path / "v", budget=get_budget("tiny", steps=40, draft_vocab=n_vocab), seed=0,
+                   progress=False)
+    losses = [h["loss"] for h in result.history]
+    assert sum(losses[-10:]) < 0.8 * sum(losses[:10])
+    assert f"draft_vocab = {n_vocab}" in result.extra["loss"]
+    reduced = load_eagle_head(str(tmp_path / "v"), target)
+    assert reduced.args.trained_vocab == n_vocab
+    assert Eagle(reduced, "chain").draft_vocab == n_vocab  # the default drafts from the training vocabulary
+    assert Eagle(reduced, "chain", draft_vocab=0).draft_vocab == 0
+
+
 def test_training_lowers_loss_and_raises_tau(target, data, trained):
     path, result = trained
     _, val = data.split(options(get_budget("tiny"))["val_fraction"], 0)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from specbench.errors import UserError
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
-                                    pack_for_gemm, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
+                                    pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 
 KIND = "eagle"
 
@@ -48,15 +48,19 @@ KIND = "eagle"
 @dataclass
 class EagleArgs:
     """model_args: the layer's shapes = the target's ModelArgs with n_layers = 1.
-    tap_layers: target layers whose raw outputs are fused by `fc` (the training data's)."""
+    tap_layers: target layers whose raw outputs are fused by `fc` (the training data's).
+    trained_vocab: the reduced draft vocabulary (its size, a prefix of `vocab_rank`) the head was
+    trained on, 0 = the whole vocabulary; the policy drafts from it unless told otherwise."""
 
     model_args: ModelArgs
     tap_layers: list[int]
+    trained_vocab: int = 0
 
     def __post_init__(self):
         if isinstance(self.model_args, dict):
             self.model_args = ModelArgs(**self.model_args)
         self.tap_layers = [int(t) for t in self.tap_layers]
+        self.trained_vocab = int(self.trained_vocab)
         if not self.tap_layers:
             raise ValueError("at least one target tap layer is needed")
 
@@ -202,7 +206,7 @@ class EagleHead(nn.Module):
 
     def pack_weights(self) -> None:
         """bf16 on a CPU: the projections' weights reordered once for oneDNN's GEMM, as the
-        target's (model.pack_for_gemm; a stale pack is refused, so training is unaffected). Runs
+        target's (model.pack_weight; a stale pack is refused, so training is unaffected). Runs
         after every .to(), which replaces parameter storage."""
         pack_linears(self)
         self._head_pack = None
@@ -226,7 +230,7 @@ class EagleHead(nn.Module):
         elif w.dtype == h.dtype and not torch.is_grad_enabled():
             key = (w.data_ptr(), w._version)
             if self._head_pack is None or self._head_pack[0] != key:
-                self._head_pack = (key, pack_for_gemm(w))
+                self._head_pack = (key, pack_weight(w))
             return linear(h, w, None, fresh_pack(w, self._head_pack[1]))
         return F.linear(h, w)
 

@@ -27,7 +27,8 @@ Generated nodes per round: top_k + (depth − 1)·top_k².
 
 draft_vocab = n > 0 drafts from the head's n most frequent training tokens only (EAGLE-3's reduced
 draft vocabulary, as rows of the target's lm_head): the per-level vocabulary projection, which
-dominates the head's cost for a 49k vocabulary on a CPU, shrinks by V/n. Still lossless: trees
+dominates the head's cost for a 49k vocabulary on a CPU, shrinks by V/n. draft_vocab = -1 (the
+default) takes the vocabulary the head was trained on (`EagleArgs.trained_vocab`; 0 = all). Still lossless: trees
 need no draft probabilities, and chain drafts at T > 0 pass the exact (zero-padded) distribution.
 
 Everything is batched over rows with per-row context lengths; no per-row Python in propose.
@@ -49,12 +50,14 @@ class Eagle(Policy):
     name = "eagle"
 
     def __init__(self, head: EagleHead, mode: str = "tree", depth: int = 5, top_k: int = 10,
-                 total_tokens: int = 60, draft_vocab: int = 0, drafter: str = "eagle"):
+                 total_tokens: int = 60, draft_vocab: int = -1, drafter: str = "eagle"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError("depth, top_k and total_tokens must be >= 1")
         self.head, self.mode, self.depth, self.drafter = head, mode, int(depth), drafter
+        if int(draft_vocab) < 0:  # the head's own training vocabulary
+            draft_vocab = head.args.trained_vocab
         self.vocab = head.draft_vocab(int(draft_vocab))  # None: the whole vocabulary
         self.draft_vocab = 0 if self.vocab is None else len(self.vocab[0])
         self.top_k = min(int(top_k), self.draft_vocab or head.args.model_args.vocab_size)

@@ -117,7 +117,7 @@ def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
 
 
 def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str = "tree", depth: int = 5,
-                top_k: int = 10, total_tokens: int = 60, draft_vocab: int = 0) -> Policy:
+                top_k: int = 10, total_tokens: int = 60, draft_vocab: int = -1) -> Policy:
     """EAGLE over a trained EAGLE-3-style head (the suite's or a published one): a dynamic draft tree
     (mode "tree", EAGLE-2's depth / top_k / total_tokens) or a chain of `depth` drafts; docs/eagle.md §4."""
     from specbench.drafters.eagle import load_eagle_head
@@ -129,7 +129,7 @@ def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str 
 
 
 def build_eagle_chain(target, drafter: str = "drafters/smollm2-135m/eagle", depth: int = 5,
-                      draft_vocab: int = 0) -> Policy:
+                      draft_vocab: int = -1) -> Policy:
     return build_eagle(target, drafter=drafter, mode="chain", depth=depth, draft_vocab=draft_vocab)
 
 

@@ -23,8 +23,17 @@ used frozen and never saved. Output: an "eagle" checkpoint (`save_drafter`), rea
 The checkpoint also records the response tokens' frequency ranking (`vocab_rank`), from which
 the policy's optional reduced draft vocabulary (`draft_vocab`) is taken.
 
+draft_vocab = V_d > 0 trains on that reduced vocabulary too (EAGLE-3 trains its head on its draft
+vocabulary): the head's logits and the target's distribution are taken on the V_d most frequent
+training tokens only, the CE against the target's probabilities there (so the head learns the
+target's distribution conditioned on the draft vocabulary, which is what it drafts from), and the
+target's probabilities come from its cached log-normaliser, p_t = exp(lm_head[vocab] · h − lse)
+(`common.attach_target_stats`): a V_d-row projection per supervised slot and step instead of two
+49 152-row ones. A head trained so is meant for the policy's `draft_vocab = V_d`.
+
 Budget keys read here (defaults per budget in EAGLE_DEFAULTS, looked up by the budget's
-`n_prompts`; fall back to "small"): ttt_steps, positions, val_fraction, plus the loop's keys.
+`n_prompts`; fall back to "small"): ttt_steps, positions, val_fraction, draft_vocab, plus the
+loop's keys.
 """
 from __future__ import annotations
 
@@ -37,18 +46,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specbench.drafters.eagle import KIND, EagleArgs, EagleHead, build_head, load_eagle_head
-from specbench.train.common import (BUDGETS, CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
-                                    save_drafter, training_autocast)
+from specbench.train.common import (BUDGETS, CURVE_FILE, LoopConfig, TrainResult, attach_target_stats,
+                                    plot_loss_curve, run_training, save_drafter, training_autocast)
 
 __all__ = ["train", "load_eagle_head", "ttt_loss", "evaluate", "options", "vocab_rank"]
 
 STEP_DECAY = 0.8  # weight of TTT step i: 0.8^i
 EAGLE_DEFAULTS = {
-    "tiny": {"ttt_steps": 3, "positions": 0, "val_fraction": 0.125},
-    "small": {"ttt_steps": 5, "positions": 48, "val_fraction": 0.05},
-    "full": {"ttt_steps": 7, "positions": 0, "val_fraction": 0.03},
+    "tiny": {"ttt_steps": 3, "positions": 0, "val_fraction": 0.125, "draft_vocab": 0},
+    "small": {"ttt_steps": 5, "positions": 48, "val_fraction": 0.05, "draft_vocab": 0},
+    "full": {"ttt_steps": 7, "positions": 0, "val_fraction": 0.03, "draft_vocab": 0},
 }
 FIELDS = ("input_ids", "loss_mask", "taps", "last_hidden")
+TARGET_STATS = ("target_lse", "target_argmax")  # per-token, from common.attach_target_stats
 
 
 def options(budget: dict) -> dict:
@@ -95,11 +105,14 @@ def sample_positions(sup0: Tensor, n: int, generator: torch.Generator) -> tuple[
 
 def ttt_loss(head: EagleHead, batch: dict[str, Tensor], steps: int, positions: int = 0,
              generator: torch.Generator | None = None, with_stats: bool = False,
-             autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, dict]:
+             autocast_dtype: torch.dtype | None = None, vocab: Tensor | None = None) -> tuple[Tensor, dict]:
     """The weighted TTT loss of one batch (tensors on the head's device). Metrics: per-step CE,
     and the teacher-free acceptance estimates per step (α_i at T = 1: 1 − TV(p_head, p_target);
     greedy: argmax agreement) — step i's are conditional on the head's own earlier steps, as at
-    inference along a chain. autocast_dtype: the matrix products' dtype (`common.training_autocast`)."""
+    inference along a chain. autocast_dtype: the matrix products' dtype (`common.training_autocast`).
+    vocab: ascending token ids of a reduced draft vocabulary (module docstring), or None for all;
+    with it, the batch's `target_lse` / `target_argmax` (when attached) spare the whole-vocabulary
+    target projection."""
     device = head.device
     ids, taps, last = batch["input_ids"], batch["taps"], batch["last_hidden"]
     B, T = ids.shape
@@ -117,26 +130,42 @@ def ttt_loss(head: EagleHead, batch: dict[str, Tensor], steps: int, positions: i
     loss = torch.zeros((), device=device)
     metrics: dict = {}
     weights = step_weights(steps)
+    w = head.lm_head_weight
+    rows_w = None if vocab is None else w.index_select(0, vocab)  # the draft vocabulary's head rows
+    stats = vocab is not None and "target_lse" in batch
     for i, h in enumerate(outs):
         s = sup[..., i]
         if not bool(s.any()):
             continue
         target_pos = (index + 1 + i).clamp(max=T - 1)[s]  # the target's hidden predicting x_{t+2+i}
         rows = torch.arange(B, device=device)[:, None].expand_as(index)[s]
+        th = last[rows, target_pos]
         with autocast:
-            logits = head.logits(h[s])
+            logits = head.logits(h[s]) if vocab is None else F.linear(head.norm(h[s]), rows_w)
             with torch.no_grad():
-                w = head.lm_head_weight
-                t_logits = F.linear(last[rows, target_pos].to(w.dtype), w)
+                if stats:  # p_t on the draft vocabulary from its rows and the cached normaliser
+                    t_in = F.linear(th.to(w.dtype), rows_w)
+                else:
+                    t_logits = F.linear(th.to(w.dtype), w)
         logq = F.log_softmax(logits.float(), dim=-1)
-        p_t = torch.softmax(t_logits.float(), dim=-1)
+        if stats:
+            p_t = (t_in.float() - batch["target_lse"][rows, target_pos][:, None]).exp()
+            t_argmax = batch["target_argmax"][rows, target_pos]
+        else:
+            p_t = torch.softmax(t_logits.float(), dim=-1)
+            t_argmax = p_t.argmax(-1)
+            if vocab is not None:
+                p_t = p_t[:, vocab]
         ce = -(p_t * logq).sum(-1).mean()
         loss = loss + weights[i] * ce
         metrics[f"ce{i}"] = ce.detach()
         if with_stats or i == 0:
             with torch.no_grad():
-                metrics[f"acc{i}_t1"] = (1 - 0.5 * (logq.exp() - p_t).abs().sum(-1)).clamp(0, 1).mean()
-                metrics[f"acc{i}_t0"] = (logq.argmax(-1) == p_t.argmax(-1)).float().mean()
+                # outside a reduced vocabulary the head's probability is 0: TV counts p_t's mass there
+                tv = 0.5 * ((logq.exp() - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp_min(0))
+                drafted = logq.argmax(-1) if vocab is None else vocab[logq.argmax(-1)]
+                metrics[f"acc{i}_t1"] = (1 - tv).clamp(0, 1).mean()
+                metrics[f"acc{i}_t0"] = (drafted == t_argmax).float().mean()
                 metrics[f"_n{i}"] = float(s.sum())
     return loss, metrics
 
@@ -153,13 +182,13 @@ def vocab_rank(data, indices, vocab_size: int) -> Tensor:
 
 
 def _batch(data, indices, device) -> dict[str, Tensor]:
-    b = data.batch(indices, FIELDS)
+    b = data.batch(indices, FIELDS + tuple(f for f in TARGET_STATS if f in data.attached))
     return {k: v.to(device) for k, v in b.items()}
 
 
 @torch.no_grad()
 def evaluate(head: EagleHead, data, indices, batch_size: int, steps: int, positions: int = 0, seed: int = 0,
-             autocast_dtype: torch.dtype | None = None) -> dict:
+             autocast_dtype: torch.dtype | None = None, vocab: Tensor | None = None) -> dict:
     """Validation on held-out sequences (every index, or `positions` per sequence drawn from a
     fixed generator, so every evaluation sees the same slots): mean batch loss, slot-weighted
     per-step CE / acceptance estimates, and τ̂ = 1 + Σ_k Π_{i≤k} α_i for a chain of `steps` drafts
@@ -170,7 +199,8 @@ def evaluate(head: EagleHead, data, indices, batch_size: int, steps: int, positi
     loss_sum, loss_n = 0.0, 0
     for j in range(0, len(indices), batch_size):
         batch = _batch(data, indices[j:j + batch_size], head.device)
-        loss, m = ttt_loss(head, batch, steps, positions, gen, with_stats=True, autocast_dtype=autocast_dtype)
+        loss, m = ttt_loss(head, batch, steps, positions, gen, with_stats=True, autocast_dtype=autocast_dtype,
+                           vocab=vocab)
         loss_sum += float(loss)
         loss_n += 1
         for i in range(steps):
@@ -200,6 +230,8 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     steps, positions = int(opts["ttt_steps"]), int(opts["positions"])
     device = target.model.device
     args = EagleArgs.for_target(target.model.args, data.tap_layers)
+    n_vocab = int(opts["draft_vocab"])
+    args.trained_vocab = n_vocab if 0 < n_vocab < args.model_args.vocab_size else 0
     torch.manual_seed(seed)
     head = build_head(args, target.model, dtype=torch.float32)  # fp32 master weights
     head.init_weights(torch.Generator().manual_seed(seed))
@@ -207,13 +239,18 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     head.vocab_rank.copy_(vocab_rank(data, train_idx, args.model_args.vocab_size))
     cfg = LoopConfig.from_budget(budget, seed)
     amp = training_autocast(device)
+    vocab = None
+    if args.trained_vocab:  # as EagleHead.draft_vocab(n) will choose them
+        vocab = head.vocab_rank[:n_vocab].long().sort().values.to(device)
+        attach_target_stats(data, target.model.lm_head.weight, amp, progress=progress)
 
     def loss_fn(indices, generator):
-        loss, metrics = ttt_loss(head, _batch(data, indices, device), steps, positions, generator, autocast_dtype=amp)
+        loss, metrics = ttt_loss(head, _batch(data, indices, device), steps, positions, generator, autocast_dtype=amp,
+                                 vocab=vocab)
         return loss, {k: v for k, v in metrics.items() if not k.startswith("_")}
 
     def eval_fn():
-        return evaluate(head, data, val_idx, cfg.batch_size, steps, positions, seed, autocast_dtype=amp)
+        return evaluate(head, data, val_idx, cfg.batch_size, steps, positions, seed, autocast_dtype=amp, vocab=vocab)
 
     t0 = time.perf_counter()
     history, done = run_training(head, loss_fn, train_idx, cfg, out_dir, resume=resume,
@@ -228,7 +265,9 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
                          "1 decoder layer (target-shaped, q/k/v over [norm(emb); norm(hidden)]), "
                          "target's frozen embedding and lm_head"),
         "loss": (f"training-time test, {steps} steps, soft-label CE to the target distribution, step weights "
-                 f"{STEP_DECAY}^i; {'all' if not positions else positions} query positions / sequence"),
+                 f"{STEP_DECAY}^i; {'all' if not positions else positions} query positions / sequence; "
+                 + (f"on the {n_vocab}-token draft vocabulary (the policy's default draft_vocab = -1 drafts "
+                    f"from it; draft_vocab = {n_vocab} names it)" if vocab is not None else "whole vocabulary")),
     }
     if val_idx and last:
         for name in ("t1", "t0"):
