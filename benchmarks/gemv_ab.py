@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     print(f"{device_name('cpu')}, {torch.get_num_threads()} threads, 1 GiB sum at {rate:.1f} GB/s", flush=True)
     result = {"cpu": device_name("cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__,
               "dtype": "bfloat16", "context": args.context, "sum_gb_s": round(rate, 1),
-              "max_rows": cpu_kernels.MAX_ROWS,
+              "max_rows": cpu_kernels.max_rows(), "amx": bool(cpu_kernels.max_rows() == cpu_kernels.MAX_ROWS_AMX),
               "rule": f"min over {args.repeats} interleaved repeats; forwards: mean of {args.iters}",
               "projections": per_shape(model, [int(r) for r in args.rows.split(",")], args.repeats),
               "forwards": forwards(model, [tuple(int(v) for v in c.split("x")) for c in args.grid.split(",")],

@@ -27,7 +27,7 @@ def test_kernel_is_as_accurate_as_f_linear_and_row_invariant(n, k):
     w = torch.randn(n, k).to(torch.bfloat16)
     packed = cpu_kernels.pack(w)
     assert packed.shape == (-(-n // 32), k // 2, 32, 2)
-    for m in (1, 2, 5, 8, 13):  # 13: a second pass over the weights
+    for m in (1, 2, 5, 8, 13, 16, 21):  # beyond 8 (AVX-512) or 16 (AMX) rows: another pass over the weights
         x = torch.randn(m, k).to(torch.bfloat16)
         y = cpu_kernels.gemv(x, packed, n)
         exact = x.double() @ w.double().T
@@ -44,16 +44,20 @@ def test_padding_rows_of_the_last_block_are_never_written():
     assert y.shape == (3, 40) and torch.isfinite(y.float()).all()
 
 
-def test_linear_takes_the_kernel_up_to_max_rows_and_torch_above():
+@pytest.mark.parametrize("k", [64, 48])  # 48: not a multiple of 32, so never AMX: at most 8 rows
+def test_linear_takes_the_kernel_up_to_max_rows_and_torch_above(k):
     torch.manual_seed(0)
-    w = torch.randn(64, 48).to(torch.bfloat16)
+    w = torch.randn(64, k).to(torch.bfloat16)
     packs = pack_weight(w)
     assert packs.gemv is not None and packs.gemm is not None
-    few = torch.randn(cpu_kernels.MAX_ROWS, 48).to(torch.bfloat16)
-    many = torch.randn(cpu_kernels.MAX_ROWS + 1, 48).to(torch.bfloat16)
+    limit = cpu_kernels.max_rows() if k % 32 == 0 else cpu_kernels.MAX_ROWS_AVX512
+    assert limit in (cpu_kernels.MAX_ROWS_AMX, cpu_kernels.MAX_ROWS_AVX512)
+    few = torch.randn(limit, k).to(torch.bfloat16)
+    many = torch.randn(limit + 1, k).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(linear(few, w, None, packs), cpu_kernels.gemv(few, packs.gemv, 64))
         assert torch.equal(linear(many, w, None, packs), F.linear(many, w))  # oneDNN's GEMM: F.linear's bits
+        assert torch.equal(cpu_kernels.gemv(many, packs.gemv, 64)[:1], cpu_kernels.gemv(many[:1], packs.gemv, 64))
         bias = torch.randn(64).to(torch.bfloat16)
         assert torch.equal(linear(few, w, bias, packs), cpu_kernels.gemv(few, packs.gemv, 64) + bias)
         cpu_kernels.ENABLED = False
@@ -83,7 +87,7 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces():
     the property that keeps a greedy speculative policy token-identical to AR in bf16 at b = 1."""
     model = tiny_model(vocab=96, dim=64, layers=2, dtype=torch.bfloat16)
     prefix = torch.randint(0, 96, (1, 11))
-    new = torch.randint(0, 96, (1, cpu_kernels.MAX_ROWS))
+    new = torch.randint(0, 96, (1, cpu_kernels.MAX_ROWS_AVX512))
 
     def prefilled():
         model.setup_cache(1, 64)

@@ -175,7 +175,7 @@ def test_packed_qkv_never_bypasses_gradients():
 
 
 def test_gemm_packs_are_used_in_bf16_and_refused_once_stale():
-    """bf16 on a CPU: projections of more than gemv.MAX_ROWS rows run on weights pre-packed for oneDNN's GEMM, with the
+    """bf16 on a CPU: projections of more than cpu_kernels.max_rows() rows run on weights pre-packed for oneDNN's GEMM, with the
     same bits as F.linear; an in-place weight write makes the pack stale and the plain path runs."""
     from specbench.engine.model import fresh_pack, linear
 
@@ -184,7 +184,7 @@ def test_gemm_packs_are_used_in_bf16_and_refused_once_stale():
     assert head.gemm_pack is not None and fresh_pack(head.weight, head.gemm_pack) is not None
     attn = model.model.layers[0].self_attn
     assert attn.qkv_gemm_pack is not None and attn.q_proj.gemm_pack is None  # q/k/v run packed together
-    x = torch.randn(3, 5, model.args.dim, dtype=torch.bfloat16)
+    x = torch.randn(3, 6, model.args.dim, dtype=torch.bfloat16)  # 18 rows: more than the bf16 GEMV takes
     with torch.inference_mode():
         assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
     with torch.no_grad():

@@ -2,7 +2,7 @@
 // the few-row GEMV that streams the weights, and the small per-row ops around it fused, so that a
 // decode step is not ~1 500 separate torch calls of a few microseconds each.
 //
-// 1. gemv_bf16: y = x · Wᵀ for up to 8 rows of x.
+// 1. gemv_bf16: y = x · Wᵀ for up to 16 rows of x (AMX tiles) or up to 8 (AVX-512 BF16).
 //
 // Why a GEMV of our own: at b = 1 a decode step of the default target is ~150 matrix-vector
 // products over 269 MB of bf16 weights that no cache holds, so the step is as fast as those weights
@@ -21,6 +21,13 @@
 // to bf16 (round to nearest even). Neither the number of rows of x nor the split over threads
 // changes that sequence, so a row gets the same bits alone or among up to 8 (tests/test_cpu_kernels.py).
 //
+// Where the CPU has AMX and Linux grants it (arch_prctl), and K is a multiple of 32, the same packed
+// blocks feed TDPBF16PS instead: a [rows ≤ 16 × 32] tile of x times two [16 pairs × 16 features]
+// tiles of the block, accumulated in two fp32 tiles. The layout is AMX's own B-tile layout, so no
+// second copy. VDPBF16PS is compute-bound at 8 rows (~0.5 per cycle here: 8 rows cost 1.3× one
+// row); AMX keeps 16 rows at ~1.1× (docs/performance.md "A bf16 GEMV of our own"). Each row is
+// again computed alone in fixed k order; on the Xeon measured, AMX and AVX-512 gave the same bits.
+//
 // 2. rms_norm_bf16, add_rms_norm_bf16, qkv_rope_cache_bf16: one call each for what model.py's
 // RMSNorm, a residual add followed by RMSNorm, and Attention's split / rope / cache write do in
 // 8-25 torch calls. Each works row by row, so it too gives a row the same bits in any batch.
@@ -28,6 +35,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <tuple>
@@ -86,6 +95,78 @@ void any_rows(int rows, const bf16* x, int64_t K, const bf16* block, bf16* y, in
   }
 }
 
+// ---- AMX ----------------------------------------------------------------------------------------
+
+constexpr int kAmxRows = 16;
+
+struct alignas(64) TileConfig {  // the LDTILECFG memory layout (palette 1)
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX tile state only on request (once per process).
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
+           syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Tiles: 0 = x rows [M × 32 bf16], 1 and 2 = the block's features 0-15 and 16-31 over 16 pairs of
+// k [16 × 16 × 2 bf16], 3 and 4 = their fp32 sums [M × 16].
+void configure_tiles(int rows) {
+  TileConfig cfg;
+  cfg.rows[0] = rows;
+  cfg.colsb[0] = 64;
+  for (int t : {1, 2}) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  for (int t : {3, 4}) {
+    cfg.rows[t] = rows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+void gemv_amx(const bf16* xp, const bf16* wp, bf16* yp, int64_t M, int64_t K, int64_t N, int64_t blocks) {
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    configure_tiles(static_cast<int>(M));  // tile state is per thread
+    alignas(64) float sums[kAmxRows][kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* block = wp + b * kBlock * K;
+      _tile_zero(3);
+      _tile_zero(4);
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const bf16* w = block + k0 * kBlock;  // 16 pairs of k × 32 features × 2: 2 KB
+        for (int i = 0; i < 16 * 2 * kBlock; i += 32)  // one line in 64 bytes, kPrefetch ahead
+          _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + i), _MM_HINT_T0);
+        _tile_loadd(0, xp + k0, K * 2);
+        _tile_loadd(1, w, 4 * kBlock);       // a row of k pairs is 32 features × 2 bf16 = 128 bytes
+        _tile_loadd(2, w + kBlock, 4 * kBlock);
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_dpbf16ps(4, 0, 2);
+      }
+      _tile_stored(3, &sums[0][0], kBlock * 4);
+      _tile_stored(4, &sums[0][16], kBlock * 4);
+      const int64_t n0 = b * kBlock, valid = std::min<int64_t>(kBlock, N - n0);  // the last block is zero-padded
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < valid; ++j) yp[m * N + n0 + j] = bf16(sums[m][j]);
+    }
+    _tile_release();
+  });
+}
+
+// Chosen by K and the machine alone, never by the row count: a row's bits may not depend on it.
+bool amx_applies(int64_t K) { return K % 32 == 0 && amx_ready(); }
+
+bool amx_available() { return amx_ready(); }
+
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4, "gemv_bf16: x [M, K], packed [blocks, K/2, 32, 2]");
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
@@ -98,6 +179,11 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = packed.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
+  if (amx_applies(K)) {
+    for (int64_t m0 = 0; m0 < M; m0 += kAmxRows)  // more than 16 rows: another pass, from cache
+      gemv_amx(xp + m0 * K, wp, yp + m0 * N, std::min<int64_t>(kAmxRows, M - m0), K, N, blocks);
+    return y;
+  }
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)  // more than 8 rows: another pass, from cache
@@ -204,6 +290,7 @@ at::Tensor qkv_rope_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, con
 
 TORCH_LIBRARY(specbench_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("amx_available() -> bool", amx_available);  // no tensor argument: one kernel for every backend
   m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("qkv_rope_cache_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, "

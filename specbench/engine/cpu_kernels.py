@@ -1,4 +1,4 @@
-"""bf16 kernels for a decode step on a CPU (cpu_kernels.cpp): a GEMV for up to `MAX_ROWS` rows
+"""bf16 kernels for a decode step on a CPU (cpu_kernels.cpp): a GEMV for up to `max_rows()` rows
 that streams the weights at close to the machine's read rate, and the small per-row ops around it
 (RMSNorm, residual add + RMSNorm, q/k/v split + rope + KV-cache write) fused into one call each.
 
@@ -9,7 +9,7 @@ fails (one line on stderr says why), model.py takes torch's routes. `SPECBENCH_C
 turns the kernels off (A/B runs, bisecting); benchmarks flip `ENABLED`.
 
 Everything here works row by row in a fixed order, so a row gets the same bits alone or in a
-batch: at b = 1 a verify forward of up to `MAX_ROWS` tokens computes exactly what the AR steps it
+batch: at b = 1 a verify forward of up to `max_rows()` tokens computes exactly what the AR steps it
 replaces would (tests/test_cpu_kernels.py). The GEMV and the norm's sum of squares round in other
 orders than torch's, so their bits are not torch's; rope and the residual add are.
 """
@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-# Up to this many rows the GEMV took less time than oneDNN's pre-packed GEMM on every projection
-# of the default model; at 16 the GEMM (AMX tiles) wins (docs/performance.md "A bf16 GEMV of our own").
-MAX_ROWS = 8
+# Up to this many rows the GEMV took less time than oneDNN's pre-packed GEMM on every projection of
+# the default model: 16 with AMX tiles, 8 with AVX-512 BF16 only, whose 16 rows lost to oneDNN
+# (docs/performance.md "A bf16 GEMV of our own").
+MAX_ROWS_AMX, MAX_ROWS_AVX512 = 16, 8
 BLOCK = 32  # output features per packed block (cpu_kernels.cpp: kBlock)
 ENABLED = os.environ.get("SPECBENCH_CPU_KERNELS", "1") != "0"
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -86,9 +87,21 @@ def pack(weight: Tensor) -> Tensor | None:
         return padded.view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def max_rows() -> int:
+    """The most rows the GEMV takes (0 where the kernels are unavailable)."""
+    if not available():
+        return 0
+    return MAX_ROWS_AMX if torch.ops.specbench_cpu.amx_available() else MAX_ROWS_AVX512
+
+
 def gemv_applies(x: Tensor, packed: Tensor | None) -> bool:
-    """Whether `gemv(x, packed, n)` may stand in for F.linear(x, weight)."""
-    return packed is not None and x.numel() <= MAX_ROWS * x.shape[-1] and applies(x)
+    """Whether `gemv(x, packed, n)` may stand in for F.linear(x, weight). Where K is not a multiple
+    of 32 the AMX route does not apply and the AVX-512 one takes at most MAX_ROWS_AVX512 rows."""
+    if packed is None or not applies(x):
+        return False
+    rows = x.numel() // x.shape[-1]
+    return rows <= (max_rows() if x.shape[-1] % 32 == 0 else MAX_ROWS_AVX512)
 
 
 def gemv(x: Tensor, packed: Tensor, n: int) -> Tensor:

@@ -108,14 +108,14 @@ class Packs(NamedTuple):
     a view, or a replaced tensor makes them stale, and `fresh_pack` then refuses them)."""
 
     key: tuple[int, int]
-    gemm: Tensor | None  # oneDNN's blocked layout, for its bf16 GEMM (more than cpu_kernels.MAX_ROWS rows)
-    gemv: Tensor | None  # the suite's GEMV layout (cpu_kernels.pack), for up to cpu_kernels.MAX_ROWS rows
+    gemm: Tensor | None  # oneDNN's blocked layout, for its bf16 GEMM (more than cpu_kernels.max_rows() rows)
+    gemv: Tensor | None  # the suite's GEMV layout (cpu_kernels.pack), for up to cpu_kernels.max_rows() rows
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packs: Packs | None = None) -> Tensor:
     """F.linear, with faster routes for bf16 on a CPU:
 
-    * up to cpu_kernels.MAX_ROWS rows with `packs.gemv` (a CPU with AVX-512 BF16, the kernel built): the
+    * up to cpu_kernels.max_rows() rows with `packs.gemv` (a CPU with AVX-512 BF16, the kernel built): the
       suite's own GEMV (engine/cpu_kernels.py). It streams the weights at close to the machine's read rate
       and gives each row the same bits whatever the number of rows, so a verify forward at b = 1
       projects exactly as the AR steps it replaces. Its bits are not F.linear's (both sum bf16
