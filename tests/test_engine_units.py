@@ -184,7 +184,7 @@ def test_gemm_packs_are_used_in_bf16_and_refused_once_stale():
     assert head.gemm_pack is not None and fresh_pack(head.weight, head.gemm_pack) is not None
     attn = model.model.layers[0].self_attn
     assert attn.qkv_gemm_pack is not None and attn.q_proj.gemm_pack is None  # q/k/v run packed together
-    x = torch.randn(3, 6, model.args.dim, dtype=torch.bfloat16)  # 18 rows: more than the bf16 GEMV takes
+    x = torch.randn(3, 30, model.args.dim, dtype=torch.bfloat16)  # 90 rows: more than the bf16 GEMV takes
     with torch.inference_mode():
         assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
     with torch.no_grad():

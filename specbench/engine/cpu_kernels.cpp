@@ -2,7 +2,7 @@
 // the few-row GEMV that streams the weights, and the small per-row ops around it fused, so that a
 // decode step is not ~1 500 separate torch calls of a few microseconds each.
 //
-// 1. gemv_bf16: y = x · Wᵀ for up to 16 rows of x (AMX tiles) or up to 8 (AVX-512 BF16).
+// 1. gemv_bf16: y = x · Wᵀ for a few rows of x: up to 64 (AMX tiles) or 8 (AVX-512 BF16) in use.
 //
 // Why a GEMV of our own: at b = 1 a decode step of the default target is ~150 matrix-vector
 // products over 269 MB of bf16 weights that no cache holds, so the step is as fast as those weights
@@ -22,11 +22,12 @@
 // changes that sequence, so a row gets the same bits alone or among up to 8 (tests/test_cpu_kernels.py).
 //
 // Where the CPU has AMX and Linux grants it (arch_prctl), and K is a multiple of 32, the same packed
-// blocks feed TDPBF16PS instead: a [rows ≤ 16 × 32] tile of x times two [16 pairs × 16 features]
-// tiles of the block, accumulated in two fp32 tiles. The layout is AMX's own B-tile layout, so no
-// second copy. VDPBF16PS is compute-bound at 8 rows (~0.5 per cycle here: 8 rows cost 1.3× one
-// row); AMX keeps 16 rows at ~1.1× (docs/performance.md "A bf16 GEMV of our own"). Each row is
-// again computed alone in fixed k order; on the Xeon measured, AMX and AVX-512 gave the same bits.
+// blocks feed TDPBF16PS instead: [16 rows × 32] tiles of x times two [16 pairs × 16 features]
+// tiles of the block, accumulated in two fp32 tiles, each block read from memory once for all rows.
+// The layout is AMX's own B-tile layout, so no second copy. VDPBF16PS is compute-bound at 8 rows
+// (~0.5 per cycle here: 8 rows cost 1.3× one row); AMX kept 16 rows at ~1.1× and 64 rows below
+// oneDNN's GEMM (docs/performance.md "A bf16 GEMV of our own"). Each row is again computed alone in
+// fixed k order; on the Xeon measured, AMX and AVX-512 gave the same bits.
 //
 // 2. rms_norm_bf16, add_rms_norm_bf16, qkv_rope_cache_bf16: one call each for what model.py's
 // RMSNorm, a residual add followed by RMSNorm, and Attention's split / rope / cache write do in
@@ -39,7 +40,9 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -135,28 +138,47 @@ void configure_tiles(int rows) {
 }
 
 void gemv_amx(const bf16* xp, const bf16* wp, bf16* yp, int64_t M, int64_t K, int64_t N, int64_t blocks) {
+  // Rows go through the tiles 16 at a time; x is zero-padded to a multiple of 16 so that every tile
+  // is full (a padding row is computed and dropped: rows never mix).
+  const int64_t chunks = (M + kAmxRows - 1) / kAmxRows;
+  std::vector<bf16> padded;
+  const bf16* xs = xp;
+  if (M % kAmxRows) {
+    padded.assign(chunks * kAmxRows * K, bf16(0.f));
+    std::memcpy(padded.data(), xp, M * K * sizeof(bf16));
+    xs = padded.data();
+  }
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    configure_tiles(static_cast<int>(M));  // tile state is per thread
+    configure_tiles(kAmxRows);  // tile state is per thread
     alignas(64) float sums[kAmxRows][kBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const bf16* block = wp + b * kBlock * K;
-      _tile_zero(3);
-      _tile_zero(4);
-      for (int64_t k0 = 0; k0 < K; k0 += 32) {
-        const bf16* w = block + k0 * kBlock;  // 16 pairs of k × 32 features × 2: 2 KB
-        for (int i = 0; i < 16 * 2 * kBlock; i += 32)  // one line in 64 bytes, kPrefetch ahead
-          _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + i), _MM_HINT_T0);
-        _tile_loadd(0, xp + k0, K * 2);
-        _tile_loadd(1, w, 4 * kBlock);       // a row of k pairs is 32 features × 2 bf16 = 128 bytes
-        _tile_loadd(2, w + kBlock, 4 * kBlock);
-        _tile_dpbf16ps(3, 0, 1);
-        _tile_dpbf16ps(4, 0, 2);
-      }
-      _tile_stored(3, &sums[0][0], kBlock * 4);
-      _tile_stored(4, &sums[0][16], kBlock * 4);
       const int64_t n0 = b * kBlock, valid = std::min<int64_t>(kBlock, N - n0);  // the last block is zero-padded
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < valid; ++j) yp[m * N + n0 + j] = bf16(sums[m][j]);
+      const __mmask16 low = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+      const __mmask16 high = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+      for (int64_t c = 0; c < chunks; ++c) {  // the block is read from memory once, then from cache
+        _tile_zero(3);
+        _tile_zero(4);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          const bf16* w = block + k0 * kBlock;  // 16 pairs of k × 32 features × 2: 2 KB
+          if (c == 0)
+            for (int i = 0; i < 16 * 2 * kBlock; i += 32)  // one line in 64 bytes, kPrefetch ahead
+              _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + i), _MM_HINT_T0);
+          _tile_loadd(0, xs + c * kAmxRows * K + k0, K * 2);
+          _tile_loadd(1, w, 4 * kBlock);  // a row of k pairs is 32 features × 2 bf16 = 128 bytes
+          _tile_loadd(2, w + kBlock, 4 * kBlock);
+          _tile_dpbf16ps(3, 0, 1);
+          _tile_dpbf16ps(4, 0, 2);
+        }
+        _tile_stored(3, &sums[0][0], kBlock * 4);
+        _tile_stored(4, &sums[0][16], kBlock * 4);
+        const int64_t rows = std::min<int64_t>(kAmxRows, M - c * kAmxRows);
+        for (int64_t m = 0; m < rows; ++m) {  // round to bf16 (nearest even), 16 at a time
+          bf16* out = yp + (c * kAmxRows + m) * N + n0;
+          _mm256_mask_storeu_epi16(out, low, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&sums[m][0])));
+          _mm256_mask_storeu_epi16(out + 16, high, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&sums[m][16])));
+        }
+      }
     }
     _tile_release();
   });
@@ -180,8 +202,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const bf16* wp = packed.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   if (amx_applies(K)) {
-    for (int64_t m0 = 0; m0 < M; m0 += kAmxRows)  // more than 16 rows: another pass, from cache
-      gemv_amx(xp + m0 * K, wp, yp + m0 * N, std::min<int64_t>(kAmxRows, M - m0), K, N, blocks);
+    gemv_amx(xp, wp, yp, M, K, N, blocks);
     return y;
   }
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
