@@ -4,7 +4,8 @@
 #   scripts/setup.sh            # into the `python` on PATH (activate a venv first to use one)
 #   PYTHON=/path/to/python scripts/setup.sh
 #
-# 1. Debian's headless Chromium and poppler-utils (pdftoppm), which the report tests render with:
+# 1. Debian's headless Chromium and poppler-utils (pdftoppm), which the report tests render with,
+#    and g++, which builds the bf16 CPU kernels (specbench/engine/cpu_kernels.cpp):
 #    installed with apt-get when this runs as root on a Debian-like machine; otherwise the command
 #    to run is printed (the tests that need them fail under .ci/run, they are not optional there).
 # 2. torch pinned to the CPU build (a looser spec pulls a multi-GB CUDA build).
@@ -17,13 +18,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
-APT_PACKAGES=(chromium poppler-utils)
+APT_PACKAGES=(chromium poppler-utils g++)
 
-have_tools() { command -v chromium >/dev/null && command -v pdftoppm >/dev/null; }
+have_tools() { command -v chromium >/dev/null && command -v pdftoppm >/dev/null && command -v g++ >/dev/null; }
 
 check() {
     local missing=()
-    have_tools || missing+=("chromium + pdftoppm (apt-get install -y ${APT_PACKAGES[*]})")
+    have_tools || missing+=("chromium + pdftoppm + g++ (apt-get install -y ${APT_PACKAGES[*]})")
     "$PY" - <<'PY' || missing+=("python packages (see above)")
 import importlib.util, sys
 need = {"specbench": "pip install -e '.[test,ray]'", "pytest": "pip install -e '.[test,ray]'",

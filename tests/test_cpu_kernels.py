@@ -1,8 +1,8 @@
 """The bf16 CPU kernels (specbench/engine/cpu_kernels.py): the GEMV as accurate as F.linear, the same
 bits for a row whatever the number of rows beside it, used by `linear` exactly where it applies and
 never with a stale pack; the fused norm / rope / cache ops equal to torch's ops they replace.
-Skipped where the CPU has no AVX-512 BF16 or the kernels cannot be built (torch's routes then run,
-and every other test covers them)."""
+Collected only on a CPU with AVX-512 BF16 (conftest.py); elsewhere torch's routes run, which every
+other test covers."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,19 @@ from specbench.engine.core import forward_new_tokens
 from specbench.engine.model import RMSNorm, apply_rope, fresh_pack, linear, pack_weight, rope_cos_sin
 from tests.tiny import tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no AVX-512 BF16 CPU or the kernels did not build")
+
+
+def test_the_kernels_build_on_this_cpu():
+    """This module is collected only on a CPU with AVX-512 BF16 (conftest.py); there the kernels
+    must build (g++ and ninja are part of the set-up), or every bf16 step silently runs slower."""
+    assert cpu_kernels.available()
+    assert cpu_kernels.max_rows() in (cpu_kernels.MAX_ROWS_AMX, cpu_kernels.MAX_ROWS_AVX512)
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if not cpu_kernels.available():
+        pytest.fail("the bf16 CPU kernels did not build (see test_the_kernels_build_on_this_cpu)")
 
 
 def _relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:

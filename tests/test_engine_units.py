@@ -213,3 +213,24 @@ def test_greedy_ids_is_argmax_with_ties_and_nan():
             nan[0, 0, 99] = float("nan")
             for t in (x, coarse, tied, nan):
                 assert torch.equal(greedy_ids(t), t.argmax(-1))
+
+
+def test_cpu_kernels_only_where_the_cpu_has_them_and_torchs_routes_otherwise():
+    """Without AVX-512 BF16 (or with SPECBENCH_CPU_KERNELS=0) no GEMV pack is made and a bf16
+    projection is F.linear's; with it the kernels build (tests/test_cpu_kernels.py tests them)."""
+    from specbench.engine import cpu_kernels
+    from specbench.engine.model import linear
+
+    model = tiny_model(dtype=torch.bfloat16)
+    head = model.lm_head
+    assert cpu_kernels.available() == cpu_kernels.cpu_has_avx512_bf16()
+    assert (head.gemm_pack.gemv is not None) == cpu_kernels.available()
+    x = torch.randn(1, 1, model.args.dim, dtype=torch.bfloat16)
+    cpu_kernels.ENABLED = False
+    try:
+        off = tiny_model(dtype=torch.bfloat16).lm_head
+        assert off.gemm_pack.gemv is None
+        with torch.inference_mode():
+            assert torch.equal(linear(x, off.weight, None, off.gemm_pack), torch.nn.functional.linear(x, off.weight))
+    finally:
+        cpu_kernels.ENABLED = True
