@@ -240,8 +240,8 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     cfg = LoopConfig.from_budget(budget, seed)
     amp = training_autocast(device)
     vocab = None
-    if args.trained_vocab:  # as EagleHead.draft_vocab(n) will choose them
-        vocab = head.vocab_rank[:n_vocab].long().sort().values.to(device)
+    if args.trained_vocab:  # the ids the policy will draft from
+        vocab = head.draft_vocab(args.trained_vocab)[0]
         attach_target_stats(data, target.model.lm_head.weight, amp, progress=progress)
 
     def loss_fn(indices, generator):
