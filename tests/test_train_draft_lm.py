@@ -223,3 +223,16 @@ def test_cli_tiny_end_to_end(target, tmp_path, monkeypatch):
     monkeypatch.setitem(cli.TRAINERS, "fixed-k", "specbench.train.no_such_trainer")
     with pytest.raises(UserError, match="trainer for fixed-k not available yet"):
         args.func(parser.parse_args(argv))
+
+
+def test_warm_start_from_a_trained_draft_lm(target, data, trained, tmp_path):
+    """init: the run's first loss is the trained draft LM's (its stored weights, not the target's
+    layers), the card names the source, and a draft LM of another depth is refused."""
+    cont = draft_lm.train(target, data, tmp_path / "w", budget={**TINY, "steps": 4}, seed=0, progress=False,
+                          init=str(trained.out_dir))
+    scratch = draft_lm.train(target, data, tmp_path / "s", budget={**TINY, "steps": 4}, seed=0, progress=False)
+    assert cont.history[0]["loss"] < scratch.history[0]["loss"]
+    assert str(trained.out_dir) in cont.extra["warm start"]
+    with pytest.raises(UserError, match="n_layers"):
+        draft_lm.train(target, data, tmp_path / "d", budget={**TINY, "steps": 4, "lm_layers": 3}, seed=0,
+                       progress=False, init=str(trained.out_dir))

@@ -305,3 +305,41 @@ def test_target_stats_give_the_whole_vocabulary_loss_and_are_cached(target, data
     assert torch.equal(again.sequence(3, ["target_lse"])["target_lse"], fresh.sequence(3, ["target_lse"])["target_lse"])
     attach_target_stats(again, target.model.lm_head.weight, torch.bfloat16, progress=False)
     assert (fresh.path / TARGET_STATS_FILE).stat().st_mtime_ns != cached
+
+
+def test_warm_start_continues_a_trained_drafter(target, data, trained, tmp_path):
+    """--init: the run starts from the given drafter's stored weights and draft vocabulary (not a
+    random initialisation), records the chain of runs in its summary and card line, and refuses a
+    drafter of another kind or architecture with a one-line UserError."""
+    from specbench.train.common import warm_start, warm_start_line
+
+    src, first = trained["dspark"]
+    stored = {k: v for k, v in _weights(src).items()}
+    for f in sorted(src.glob("*.safetensors"))[1:]:
+        stored.update(load_file(f))
+    args = DSparkArgs.from_dict(json.loads((src / "drafter.json").read_text())["model_args"])
+    fresh = build_drafter(args, target.model, dtype=torch.float32)
+    fresh.init_weights(torch.Generator().manual_seed(7))
+    info = warm_start(fresh, str(src), target, "dspark", args.to_dict())
+    own = fresh.state_dict()
+    assert all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in stored.items())
+    assert info["steps"] == first.steps and info["warm_start"] is None
+    assert warm_start_line(info).startswith(f"`{src}` ({first.steps} steps on ")
+
+    b = budget(steps=6)
+    cont = train(target, data, tmp_path / "w", budget=b, seed=0, policy="dspark", progress=False, init=str(src))
+    scratch = train(target, data, tmp_path / "s", budget=b, seed=0, policy="dspark", progress=False)
+    assert cont.history[0]["loss"] < 0.9 * scratch.history[0]["loss"]  # it starts where the trained one ended
+    assert abs(cont.history[0]["loss"] - first.history[-1]["loss"]) < 0.25 * first.history[-1]["loss"]
+    summary = json.loads((tmp_path / "w" / "drafter.json").read_text())["training"]
+    assert summary["warm_start"]["from"] == str(src) and "warm start" in cont.extra
+    again = train(target, data, tmp_path / "w2", budget=b, seed=0, policy="dspark", progress=False,
+                  init=str(tmp_path / "w"))
+    assert "itself continuing" in again.extra["warm start"]
+
+    with pytest.raises(UserError, match="not 'dspark'"):
+        train(target, data, tmp_path / "x", budget=b, seed=0, policy="dspark", progress=False,
+              init=str(trained["dflash"][0]))
+    with pytest.raises(UserError, match="markov_rank"):
+        train(target, data, tmp_path / "y", budget=budget(steps=6, markov_rank=4), seed=0, policy="dspark",
+              progress=False, init=str(src))

@@ -1,7 +1,7 @@
 """`python -m specbench train`: build (or reuse) a target's training data, train one drafter.
 
     python -m specbench train --policy {fixed-k,eagle,dspark,dflash} --target M
-        --budget {tiny,small,full} [--out DIR] [--data DIR] [--seed S] [--device D] [--resume]
+        --budget {tiny,small,full} [--out DIR] [--data DIR] [--seed S] [--device D] [--resume] [--init DRAFTER]
 
 Data goes to `--data` (default `<cache>/traindata/<target>/<budget>-s<seed>/`; a directory that
 already holds finished data is reused as it is), the drafter, its loss history / curve, its
@@ -52,6 +52,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of data order and initialisation (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--init", help="start from this trained drafter's weights (same policy and architecture) "
+                                  "instead of a random initialisation, e.g. to continue it on a larger corpus")
     from specbench.cli.args import add_dtype_argument
 
     add_dtype_argument(p)  # the target's dtype (data generation, features); drafters train with fp32 master weights
@@ -119,8 +121,9 @@ def main(args: argparse.Namespace) -> int:
     safe_target = "".join(c if c.isalnum() or c in "._-" else "_" for c in target.name)
     out = Path(args.out) if args.out else (default_cache_dir() / "drafters" / safe_target
                                            / f"{args.policy}-{args.budget}-s{args.seed}")
+    init = {"init": args.init} if getattr(args, "init", None) else {}
     result = trainer.train(target, data, out, budget=budget, seed=args.seed, resume=args.resume,
-                           progress=progress, policy=args.policy)
+                           progress=progress, policy=args.policy, **init)
     card = write_training_card(out, policy=args.policy, result=result, target=target,
                                data_summary=data.summary(), budget_name=args.budget, budget=budget,
                                seed=args.seed, data_s=data_s, device=str(device))

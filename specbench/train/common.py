@@ -245,6 +245,41 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict) -> dict:
+    """Load a trained drafter's weights and buffers (its draft vocabulary among them) into `model`
+    before training: the run then continues that drafter's optimisation on this run's data, with a
+    fresh optimizer and lr schedule. The architecture must match exactly; tensors the drafter shares
+    with the target (embedding, lm_head) stay the target's. Returns what the card says about it."""
+    from specbench.drafters.checkpoints import read_checkpoint, resolve_checkpoint
+
+    config, state = read_checkpoint(spec, target, kind=kind)
+    theirs, ours = config.get("model_args") or {}, json.loads(json.dumps(model_args))
+    if theirs != ours:
+        differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        raise UserError(f"--init {spec}: its architecture differs from this run's in {', '.join(differ)}")
+    shared = {t.data_ptr() for t in (target.model.model.embed_tokens.weight, target.model.lm_head.weight)}
+    own = model.state_dict()
+    unknown = sorted(set(state) - set(own))
+    absent = sorted(n for n, t in own.items() if n not in state and not (t.numel() and t.data_ptr() in shared))
+    if unknown or absent:
+        raise UserError(f"--init {spec}: its weights do not match this model ({(unknown + absent)[:3]})")
+    with torch.no_grad():
+        for name, t in state.items():
+            own[name].copy_(t.to(own[name].dtype))
+    training = config.get("training") or {}
+    return {"from": str(resolve_checkpoint(spec)), "steps": training.get("steps"),
+            "n_loss_tokens": (training.get("data") or {}).get("n_loss_tokens"),
+            "warm_start": training.get("warm_start")}
+
+
+def warm_start_line(info: dict) -> str:
+    """The card's line for a warm-started run, with the chain of earlier runs it continues."""
+    line = f"`{info['from']}` ({info['steps']} steps on {info['n_loss_tokens']} supervised tokens"
+    if info.get("warm_start"):
+        line += ", itself continuing " + warm_start_line(info["warm_start"])
+    return line + ")"
+
+
 def run_training(
     model: nn.Module,
     loss_fn: Callable[[list[int], torch.Generator], tuple[torch.Tensor, dict]],

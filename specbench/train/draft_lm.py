@@ -26,7 +26,7 @@ from torch import Tensor
 
 from specbench.engine.model import ModelArgs, Transformer, apply_rope, rope_cos_sin, rope_inv_freq
 from specbench.train.common import (CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
-                                    save_drafter)
+                                    save_drafter, warm_start, warm_start_line)
 from specbench.train.data import TrainingData
 
 KIND = "draft-lm"
@@ -143,17 +143,20 @@ def _batch(data: TrainingData, indices, device) -> dict[str, Tensor]:
 
 
 def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, resume: bool = False,
-          progress: bool = True, policy: str = "fixed-k", stop_after: int | None = None) -> TrainResult:
+          progress: bool = True, policy: str = "fixed-k", stop_after: int | None = None,
+          init: str | None = None) -> TrainResult:
     """Distil a draft LM for `target` from `data`; writes a draft-lm checkpoint, loss history and
-    loss curve into `out_dir`. stop_after: see `run_training` (the checkpoint is then not written)."""
+    loss curve into `out_dir`. stop_after: see `run_training` (the checkpoint is then not written).
+    init: start from this draft LM's weights instead of the target's layers (`common.warm_start`)."""
     out_dir = Path(out_dir)
     device = target.model.device
     n_layers = int(budget.get("lm_layers", 2))
-    init = str(budget.get("lm_init", "spaced"))
-    init_layers = draft_layer_ids(target.model.args.n_layers, n_layers, init)
+    init_layers_from = str(budget.get("lm_init", "spaced"))
+    init_layers = draft_layer_ids(target.model.args.n_layers, n_layers, init_layers_from)
     ce_w, kl_w = float(budget.get("ce_weight", CE_WEIGHT)), float(budget.get("kl_weight", KL_WEIGHT))
     torch.manual_seed(seed)
-    draft = init_draft_lm(target.model, n_layers, init)
+    draft = init_draft_lm(target.model, n_layers, init_layers_from)
+    warm = warm_start(draft, init, target, KIND, draft.args.to_dict()) if init else None
     train_idx, val_idx = data.split(budget.get("val_fraction", 0.05), seed)
     cfg = LoopConfig.from_budget(budget, seed)
 
@@ -172,14 +175,15 @@ def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, r
                          n_params=n_params, final=final,
                          extra={"draft layers (init from target layers)":
                                 f"{n_layers} ({init_layers})",
-                                "loss": f"{ce_w}·CE + {kl_w}·KL(target‖draft)"})
+                                "loss": f"{ce_w}·CE + {kl_w}·KL(target‖draft)",
+                                **({"warm start": warm_start_line(warm)} if warm else {})})
     if steps < cfg.steps:
         return result  # interrupted on purpose: the checkpoint holds the state, no drafter yet
     summary = {
         "trainer": "specbench.train.draft_lm", "policy": policy, "seed": seed, "steps": steps,
         "budget": budget, "data": data.summary(), "init_layers": init_layers,
         "loss": {"ce_weight": ce_w, "kl_weight": kl_w}, "final": final, "train_s": round(train_s, 1),
-        "device": str(device), "torch": torch.__version__,
+        "device": str(device), "torch": torch.__version__, "warm_start": warm,
     }
     save_drafter(out_dir, KIND, draft.args.to_dict(), draft.state_dict(), target, summary)
     plot_loss_curve(history, out_dir / CURVE_FILE, title=f"{policy} draft LM for {target.name}")

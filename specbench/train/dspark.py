@@ -41,7 +41,7 @@ from torch import Tensor
 
 from specbench.drafters.dspark import KINDS, DSparkArgs, DSparkDrafter, build_drafter, load_dspark_drafter
 from specbench.train.common import (CURVE_FILE, LoopConfig, TrainResult, attach_target_stats, plot_loss_curve,
-                                    run_training, save_drafter, training_autocast)
+                                    run_training, save_drafter, training_autocast, warm_start, warm_start_line)
 from specbench.train.eagle import vocab_rank
 
 __all__ = ["train", "load_dspark_drafter", "sample_anchors", "make_blocks", "block_loss"]
@@ -221,11 +221,13 @@ def evaluate(drafter: DSparkDrafter, data, indices, batch_size: int, n_anchors: 
 
 
 def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = False, progress: bool = True,
-          policy: str = "dspark", variant: str | None = None, stop_after: int | None = None) -> TrainResult:
+          policy: str = "dspark", variant: str | None = None, stop_after: int | None = None,
+          init: str | None = None) -> TrainResult:
     """Train a DSpark (policy "dspark") or DFlash ("dflash") drafter for `target` (a LoadedModel)
     on `data` (a TrainingData of that target); writes the checkpoint, loss history and loss curve
     into `out_dir` and returns the TrainResult. stop_after: end early with only the resumable
-    checkpoint written (see `common.run_training`)."""
+    checkpoint written (see `common.run_training`). init: start from this drafter's weights
+    (`common.warm_start`) instead of a random initialisation."""
     variant = variant or policy
     if variant not in KINDS:
         raise ValueError(f"variant must be one of {KINDS}, not {variant!r}")
@@ -242,6 +244,7 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
     if args.draft_vocab:  # the most frequent response tokens of the training split (EAGLE-3's choice)
         drafter.set_draft_vocab(vocab_rank(data, train_idx, args.model_args.vocab_size)[: args.draft_vocab])
+    warm = warm_start(drafter, init, target, variant, args.to_dict()) if init else None
     amp = training_autocast(device)
     if args.draft_vocab:
         attach_target_stats(data, target.model.lm_head.weight, amp, progress=progress)
@@ -275,6 +278,8 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
                          f"draft vocabulary {args.draft_vocab or 'all'} tokens"),
         "loss": f"{loss_text}, position weights exp(−k/{DECAY:g}), {n_anchors} anchors / sequence",
     }
+    if warm:
+        extra["warm start"] = warm_start_line(warm)
     if val_idx and last:
         for name in ("t1", "t0"):
             alphas = [last.get(f"val_alpha{k + 1}_{name}") for k in range(args.block_size)]
@@ -289,6 +294,7 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
         "trainer": "specbench.train.dspark", "policy": policy, "variant": variant, "seed": seed, "steps": steps,
         "budget": budget, "options": opts, "data": data.summary(), "loss_weights": weights, "decay": DECAY,
         "final": final, "train_s": round(train_s, 1), "device": str(device), "torch": torch.__version__,
+        "warm_start": warm,
     }
     save_drafter(out_dir, variant, args.to_dict(), drafter.state_dict(), target, summary)
     plot_loss_curve(history, out_dir / CURVE_FILE, title=f"{variant} drafter for {target.name}")

@@ -47,7 +47,8 @@ from torch import Tensor
 
 from specbench.drafters.eagle import KIND, EagleArgs, EagleHead, build_head, load_eagle_head
 from specbench.train.common import (BUDGETS, CURVE_FILE, LoopConfig, TrainResult, attach_target_stats,
-                                    plot_loss_curve, run_training, save_drafter, training_autocast)
+                                    plot_loss_curve, run_training, save_drafter, training_autocast, warm_start,
+                                    warm_start_line)
 
 __all__ = ["train", "load_eagle_head", "ttt_loss", "evaluate", "options", "vocab_rank"]
 
@@ -221,10 +222,11 @@ def evaluate(head: EagleHead, data, indices, batch_size: int, steps: int, positi
 
 
 def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = False, progress: bool = True,
-          policy: str = "eagle", stop_after: int | None = None) -> TrainResult:
+          policy: str = "eagle", stop_after: int | None = None, init: str | None = None) -> TrainResult:
     """Train an EAGLE head for `target` (a LoadedModel) on `data` (a TrainingData of that target);
     writes the checkpoint, loss history and loss curve into `out_dir` and returns the TrainResult.
-    stop_after: end early with only the resumable checkpoint written (`common.run_training`)."""
+    stop_after: end early with only the resumable checkpoint written (`common.run_training`).
+    init: start from this head's weights and vocabulary ranking (`common.warm_start`)."""
     out_dir = Path(out_dir)
     opts = options(budget)
     steps, positions = int(opts["ttt_steps"]), int(opts["positions"])
@@ -237,6 +239,7 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     head.init_weights(torch.Generator().manual_seed(seed))
     train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
     head.vocab_rank.copy_(vocab_rank(data, train_idx, args.model_args.vocab_size))
+    warm = warm_start(head, init, target, KIND, args.to_dict()) if init else None
     cfg = LoopConfig.from_budget(budget, seed)
     amp = training_autocast(device)
     vocab = None
@@ -269,6 +272,8 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
                  + (f"on the {n_vocab}-token draft vocabulary (the policy's default draft_vocab = -1 drafts "
                     f"from it; draft_vocab = {n_vocab} names it)" if vocab is not None else "whole vocabulary")),
     }
+    if warm:
+        extra["warm start"] = warm_start_line(warm)
     if val_idx and last:
         for name in ("t1", "t0"):
             acc = [last.get(f"val_acc{i}_{name}") for i in range(steps)]
@@ -282,7 +287,7 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     summary = {
         "trainer": "specbench.train.eagle", "policy": policy, "seed": seed, "steps": done, "budget": budget,
         "options": opts, "data": data.summary(), "step_decay": STEP_DECAY, "final": final,
-        "train_s": round(train_s, 1), "device": str(device), "torch": torch.__version__,
+        "train_s": round(train_s, 1), "device": str(device), "torch": torch.__version__, "warm_start": warm,
     }
     save_drafter(out_dir, KIND, args.to_dict(), head.state_dict(), target, summary)
     plot_loss_curve(history, out_dir / CURVE_FILE, title=f"EAGLE head for {target.name}")
