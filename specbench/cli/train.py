@@ -44,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="optimizer steps (default: the budget's); e.g. to scale a run to a corpus' size")
     p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the budget's)")
     p.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default: the budget's)")
+    p.add_argument("--eval-every", type=positive_int, default=None,
+                   help="steps between validation passes (default: the budget's); a large corpus' validation "
+                        "split makes each pass longer")
     p.add_argument("--out", help="output directory for the drafter (default: in the cache)")
     p.add_argument("--data", help="training-data directory (built there if it holds none)")
     p.add_argument("--corpus", help="train on this corpus (python -m specbench corpus): the target's features "
@@ -82,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
 
     trainer = trainer_for(args.policy)
     budget = get_budget(args.budget, steps=getattr(args, "steps", None), batch_size=getattr(args, "batch_size", None),
-                        lr=getattr(args, "lr", None))
+                        lr=getattr(args, "lr", None), eval_every=getattr(args, "eval_every", None))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")
