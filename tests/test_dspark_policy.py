@@ -152,6 +152,31 @@ def test_draft_gate_greedy_identity(target, draft_cost):
         assert all(v == 0 for r in out for v, c in zip(r.trace_verify_len, r.trace_confidence) if not c)
 
 
+def test_draft_gate_remembers_its_back_off_per_batch_size():
+    """Where drafting never pays, a batch probes at rounds 0, 2, 5, 10, 19, 36 (back-off 1, 2, 4 …);
+    the next batch of the same size probes at once, then backs off as far as the last one ended;
+    a batch of another size starts from a back-off of 1."""
+    from specbench.policies.dspark import DraftGate
+
+    gate = DraftGate(3, lambda rows, q: 0.01, lambda rows: 100.0)
+
+    def batch(rows: int, rounds: int = 40) -> list[int]:
+        gate.reset()
+        drafted = []
+        for _ in range(rounds):
+            if gate.skip():
+                drafted.append(0)
+                continue
+            drafted.append(1)
+            gate.update(torch.full((rows, 3), 0.9), torch.ones(rows, dtype=torch.bool))
+        return drafted
+
+    first = batch(4)
+    assert [i for i, d in enumerate(first) if d] == [0, 2, 5, 10, 19, 36]
+    assert batch(4) == [1] + [0] * 39
+    assert batch(2) == first
+
+
 def test_draft_gate_sampling_matches_target(small):
     """χ² at T = 1 with the gate skipping and probing (a ruinous draft cost: draft, skip 1, draft,
     skip 2, …): mixing drafter-free rounds into the policy leaves the distribution the target's."""

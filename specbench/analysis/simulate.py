@@ -53,8 +53,9 @@ continuous (default)  c slots, refilled as requests finish: newcomers are prefil
                       gate back-off and stale capacity carry over, as in a long-running engine).
 static                mirrors specbench.engine.core.generate: c requests start together (one right-padded
                       prefill), finished rows stay in the forward until the whole batch is done,
-                      then the next batch starts, with a fresh policy instance (as each
-                      generate() call begins one). Batches are formed as the runner forms them
+                      then the next batch starts, the policy's per-batch state reset (as each
+                      generate() call begins one; DSpark's gate keeps its back-off per batch
+                      size). Batches are formed as the runner forms them
                       (prompts in workload order, c per batch, turn by turn), so simulating the
                       recorded batch size replays the recorded batches: this is the check against
                       measurement (docs/performance.md, "Simulation vs measurement").
@@ -335,7 +336,7 @@ def run_static(batches: list[list[_Row]], make_decider, costs: Costs, draft_seco
     """specbench.engine.core.generate, batch after batch; returns the total time."""
     clock = 0.0
     for rows in batches:
-        decide = make_decider()  # a fresh policy per batch, as the runner's generate() call begins one
+        decide = make_decider()  # a batch begins, as each of the runner's generate() calls begins one
         clock += _prefill(costs, rows)
         _finish_at_prefill(rows, clock)
         while any(r.active for r in rows):
@@ -406,8 +407,13 @@ def simulate_cell(recs: list[dict], concurrency: int, mode: str, costs: Costs, *
     if rescheduled:
         gamma = int(params.get("gamma") or max(len(c) for r in recs for c in r["trace"]["confidence"]))
 
-        def make_decider():
-            return _dspark_decider(_dspark_policy(params, gamma, costs, draft_seconds), gamma)
+        policy = _dspark_policy(params, gamma, costs, draft_seconds)
+
+        def make_decider():  # one policy object for every batch, as the runner's engine keeps one
+            policy.stale_confidence.clear()  # what DSpark.begin does at each batch
+            if policy.gate is not None:
+                policy.gate.reset()  # (the gate's back-off memory per batch size stays)
+            return _dspark_decider(policy, gamma)
     else:
         def make_decider():
             return _replay_decider(bool(drafter), has_conf)

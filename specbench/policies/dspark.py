@@ -22,7 +22,10 @@ So after every drafted round the policy asks, with that round's confidences and 
 profile, whether drafting paid: max over Algorithm 1's admission path of
 E[tokens] / (draft(b) + step(b, 1 + max ℓ)) against rows / step(b, 1). If not, the next rounds
 skip the drafter (plain decode steps, ℓ = 0 for every row) and probe again after 1, 2, 4 … 64
-skipped rounds. The decision uses confidences of earlier rounds only, never the current drafts,
+skipped rounds. A new batch probes at once, but starts from the back-off that the policy's last
+batch of the same size ended with: where drafting does not pay at a load, each batch then pays for
+one or two probes instead of six in 64 rounds (what kept `dspark` 5.7% below AR at b = 16 on chat,
+docs/performance.md). The decision uses confidences of earlier rounds only, never the current drafts,
 so it is lossless for the same reason as the production variant's stale capacity (docs/dspark.md §4.6, §4.4).
 """
 from __future__ import annotations
@@ -192,11 +195,13 @@ class DraftGate:
 
     def __init__(self, gamma: int, step_seconds, draft_seconds):
         self.gamma, self.step_seconds, self.draft_seconds = gamma, step_seconds, draft_seconds
+        self.backoff_by_rows: dict[int, int] = {}  # batch size -> the back-off its last batch ended with
         self.reset()
 
     def reset(self) -> None:
+        """A new batch: probe at once; the back-off comes from this batch size's last batch (update)."""
         self.skip_rounds = 0  # drafter-free rounds left before the next probe
-        self.backoff = 1  # skipped rounds after the next probe that does not pay (doubles up to MAX_BACKOFF)
+        self.backoff = None  # skipped rounds after the next probe that does not pay (doubles up to MAX_BACKOFF)
 
     def skip(self) -> bool:
         """True (and one skipped round fewer left) when this round is a plain decode step."""
@@ -211,6 +216,8 @@ class DraftGate:
         if len(active) == 0:
             return
         b, rows = len(active_mask), len(active)
+        if self.backoff is None:
+            self.backoff = self.backoff_by_rows.get(b, 1)
         conf = confidence[active]
         lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=conf.device)
         sps = rounds_per_second(self.step_seconds, self.draft_seconds, b, rows)
@@ -224,3 +231,4 @@ class DraftGate:
         else:
             self.skip_rounds = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+        self.backoff_by_rows[b] = self.backoff
