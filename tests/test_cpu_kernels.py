@@ -39,7 +39,7 @@ def test_kernel_is_as_accurate_as_f_linear_and_row_invariant(n, k):
     w = torch.randn(n, k).to(torch.bfloat16)
     packed = cpu_kernels.pack(w)
     assert packed.shape == (-(-n // 32), k // 2, 32, 2)
-    for m in (1, 2, 5, 8, 13, 16, 21):  # beyond 8 (AVX-512) or 16 (AMX) rows: another pass over the weights
+    for m in (1, 2, 5, 8, 13, 16, 21, 40, 64):  # beyond 8 (AVX-512) or 16 (AMX) rows: more passes; AMX pairs 16-row chunks
         x = torch.randn(m, k).to(torch.bfloat16)
         y = cpu_kernels.gemv(x, packed, n)
         exact = x.double() @ w.double().T
