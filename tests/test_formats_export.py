@@ -217,3 +217,21 @@ def test_export_refuses_llama_layers(tmp_path, capsys):
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "Qwen3 layers" in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_eagle3_export_for_vllm_drops_the_identity_vocabulary_maps(tmp_path, target, monkeypatch):
+    """vLLM's EAGLE-3 model refuses d2t / t2d for a full-vocabulary head: the cached export for
+    `vllm-eagle3` is the specforge export without them, written once."""
+    from specbench.bench import vllm_engine
+
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
+    margs = ModelArgs(**{**target.model.args.to_dict(), "n_layers": 1, "qk_norm": False})
+    head = build_head(EagleArgs(model_args=margs, tap_layers=[0, 1, 2]), target.model)
+    randomize(head, seed=8, std=0.1)
+    save_drafter(tmp_path / "suite", "eagle", head.args.to_dict(), head.state_dict(), target, {"note": "random"})
+    out = vllm_engine.export_eagle3(str(tmp_path / "suite"), target)
+    state = load_file(out / "model.safetensors")
+    assert "d2t" not in state and "t2d" not in state
+    assert {"fc.weight", "lm_head.weight", "embed_tokens.weight"} <= set(state)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == target.model.args.vocab_size
+    assert vllm_engine.export_eagle3(str(tmp_path / "suite"), target) == out

@@ -50,9 +50,10 @@ def test_params_defaults_and_errors():
     for bad in ([[2, 4, 2]], [[1, 4, 2], [3, 8, 1]], "[[1, 2", [[1, 2]]):
         with pytest.raises(UserError, match="k_schedule"):
             check_params("vllm-ngram", {"k_schedule": bad})
-    for name in ("vllm-eagle3", "vllm-dflash", "vllm-dspark"):
+    for name in ("vllm-dflash", "vllm-dspark"):
         with pytest.raises(UserError, match="needs drafter=PATH"):
             check_params(name, {})
+    assert check_params("vllm-eagle3", {})["drafter"] == "drafters/smollm2-135m/eagle"  # the eagle policy's head
 
 
 def test_engine_args():

