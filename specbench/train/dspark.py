@@ -242,9 +242,9 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     drafter.init_weights(torch.Generator().manual_seed(seed))
     n_anchors = int(opts["anchors"])
     train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
-    if args.draft_vocab:  # the most frequent response tokens of the training split (EAGLE-3's choice)
+    warm = warm_start(drafter, init, target, variant, args.to_dict()) if init else None  # its vocabulary too
+    if args.draft_vocab and not warm:  # the most frequent response tokens of the training split (EAGLE-3's choice)
         drafter.set_draft_vocab(vocab_rank(data, train_idx, args.model_args.vocab_size)[: args.draft_vocab])
-    warm = warm_start(drafter, init, target, variant, args.to_dict()) if init else None
     amp = training_autocast(device)
     if args.draft_vocab:
         attach_target_stats(data, target.model.lm_head.weight, amp, progress=progress)

@@ -238,8 +238,9 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     head = build_head(args, target.model, dtype=torch.float32)  # fp32 master weights
     head.init_weights(torch.Generator().manual_seed(seed))
     train_idx, val_idx = data.split(float(opts["val_fraction"]), seed)
-    head.vocab_rank.copy_(vocab_rank(data, train_idx, args.model_args.vocab_size))
-    warm = warm_start(head, init, target, KIND, args.to_dict()) if init else None
+    warm = warm_start(head, init, target, KIND, args.to_dict()) if init else None  # its vocab_rank too
+    if not warm:
+        head.vocab_rank.copy_(vocab_rank(data, train_idx, args.model_args.vocab_size))
     cfg = LoopConfig.from_budget(budget, seed)
     amp = training_autocast(device)
     vocab = None
