@@ -82,6 +82,27 @@ def test_causal_forward_matches_cached_forward(target):
     torch.testing.assert_close(hidden, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_loss_over_a_sample_of_positions(target, data):
+    sup = torch.zeros(3, 10, dtype=torch.bool)
+    sup[0, 2:9] = True  # 7 supervised
+    sup[1, [1, 4]] = True  # 2 supervised: all kept
+    kept = draft_lm.keep_positions(sup, 3, torch.Generator().manual_seed(0))
+    assert kept.sum(1).tolist() == [3, 2, 0] and not (kept & ~sup).any()
+    assert torch.equal(draft_lm.keep_positions(sup, 0, torch.Generator()), sup)
+    draws = {tuple(draft_lm.keep_positions(sup, 3, torch.Generator().manual_seed(s))[0].nonzero().flatten().tolist())
+             for s in range(20)}
+    assert len(draws) > 5  # a fresh sample per generator state, not the first n
+    draft = draft_lm.init_draft_lm(target.model, 1)
+    batch = data.batch([0, 1], ("input_ids", "loss_mask", "last_hidden"))
+    _, every = draft_lm.distill_loss(draft, batch)
+    _, some = draft_lm.distill_loss(draft, batch, positions=2, generator=torch.Generator().manual_seed(0))
+    assert some["tokens"] == 4 < every["tokens"]
+    # the sampled loss estimates the full one (same weights, mean over many draws)
+    kls = [float(draft_lm.distill_loss(draft, batch, positions=2, generator=torch.Generator().manual_seed(s))[1]["kl"])
+           for s in range(200)]
+    assert abs(sum(kls) / len(kls) - float(every["kl"])) < 0.1 * float(every["kl"])
+
+
 def tau(target, draft, prompts, temperature: float) -> float:
     res = generate(target.model, FixedK(draft, k=4), prompts,
                    SamplingConfig(max_new_tokens=24, temperature=temperature, seed=0), target.eos_token_ids)

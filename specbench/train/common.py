@@ -49,7 +49,8 @@ CARD_FILE = "TRAINING.md"
 
 # n_prompts / max_new_tokens / gen_batch_size / magpie_fraction: training data (shared by all
 # trainers of a target); steps / batch_size / lr / ckpt_every / eval_every: the optimisation;
-# val_fraction: held-out sequences for the validation loss; lm_layers: fixed-K draft LM depth
+# val_fraction: held-out sequences for the validation loss; lm_layers: fixed-K draft LM depth;
+# lm_positions: supervised positions per sequence in its loss (0: all; see train/draft_lm.py)
 # (each trainer reads its own architecture keys, with defaults).
 # "small" is sized for the 2-core CPU: extrapolated from single-threaded timings on smollm2-135m,
 # ~18 min of data generation and ~7 s per fixed-K step of 8 sequences (~30 min for 240 steps);
@@ -59,7 +60,7 @@ BUDGETS: dict[str, dict] = {
                  batch_size=4, lr=3e-3, ckpt_every=20, eval_every=20, val_fraction=0.125, lm_layers=1),
     "small": dict(n_prompts=512, max_new_tokens=160, gen_batch_size=32, magpie_fraction=0.4, steps=240,
                   batch_size=8, lr=6e-4, ckpt_every=40, eval_every=40, val_fraction=0.05, lm_layers=2,
-                  anchors=24, markov_rank=32, positions=32, draft_vocab=8192),
+                  anchors=24, markov_rank=32, positions=32, draft_vocab=8192, lm_positions=64),
     # "quick": a functioning drafter in ~20 min of a shared 2-core CPU (far from converged).
     "quick": dict(n_prompts=512, max_new_tokens=160, gen_batch_size=32, magpie_fraction=0.4, steps=80,
                   batch_size=8, lr=1e-3, ckpt_every=20, eval_every=40, val_fraction=0.05, lm_layers=2,

@@ -5,12 +5,16 @@ Architecture: the target's own ModelArgs with fewer layers (width must match: th
 output head are the target's). Layer j is initialised from target layer round(j·(L−1)/(n−1))
 (evenly spaced; n = 1 takes layer 0; budget key lm_init = "first" takes layers 0..n−1
 instead), the final norm from the target's. Budget keys read here: lm_layers, lm_init,
-ce_weight, kl_weight, val_fraction, plus the loop's (steps, batch_size, lr, ...).
+ce_weight, kl_weight, lm_positions, val_fraction, plus the loop's (steps, batch_size, lr, ...).
 
 Loss, on every position t whose next token t+1 is a response token (loss_mask[t+1] = 1):
     ce_weight · CE(draft logits_t, x_{t+1})                  x = the target-generated token
   + kl_weight · KL(p_target,t ‖ p_draft,t)                     both at temperature 1
 where the target's logits are recomputed as lm_head(last_hidden[t]) from the feature cache.
+lm_positions = n > 0 keeps only n of those positions per sequence, drawn uniformly without
+replacement (validation draws them from a fixed seed): the two full-vocabulary softmaxes, not the
+few-layer forward, are most of a step's cost (5.5 s a step of 8 corpus sequences, ~1 900 positions,
+on one CPU thread), so fewer positions per sequence buy more sequences for the same time.
 
 Output: a `draft-lm` checkpoint (`specbench.drafters.checkpoints.load_draft_lm(path, target)` loads it).
 """
@@ -96,13 +100,29 @@ def causal_forward(model: Transformer, tokens: Tensor) -> Tensor:
     return model.model.norm(x)
 
 
+def keep_positions(sup: Tensor, n: int, generator: torch.Generator) -> Tensor:
+    """sup [B, T] bool -> the same mask keeping at most n True entries per row, uniformly without
+    replacement (n <= 0 keeps all)."""
+    if n <= 0:
+        return sup
+    scores = torch.rand(sup.shape, generator=generator).to(sup.device)
+    scores = scores.masked_fill(~sup, -1.0)
+    k = min(n, sup.shape[1])
+    kth = scores.topk(k, dim=1).values[:, -1:]  # each row's k-th largest score
+    return sup & (scores >= kth)
+
+
 def distill_loss(draft: Transformer, batch: dict[str, Tensor], ce_weight: float = CE_WEIGHT,
-                 kl_weight: float = KL_WEIGHT) -> tuple[Tensor, dict]:
-    """batch: TrainingData.batch(..., ("input_ids", "loss_mask", "last_hidden")) on the draft's device."""
+                 kl_weight: float = KL_WEIGHT, positions: int = 0,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, dict]:
+    """batch: TrainingData.batch(..., ("input_ids", "loss_mask", "last_hidden")) on the draft's device.
+    positions > 0: the loss over at most that many supervised positions per sequence (`keep_positions`)."""
     ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["last_hidden"]
     device = ids.device
     head = draft.lm_head.weight
     sup = mask[:, 1:]
+    if positions > 0:
+        sup = keep_positions(sup, positions, generator if generator is not None else torch.Generator())
     # fp32 master weights; a half-precision target (bf16 on GPU) means autocast to its dtype.
     half = head.dtype in (torch.bfloat16, torch.float16)
     autocast = torch.autocast(device.type, dtype=head.dtype) if half else nullcontext()
@@ -122,13 +142,16 @@ def distill_loss(draft: Transformer, batch: dict[str, Tensor], ce_weight: float 
     return loss, {"ce": ce.detach(), "kl": kl.detach(), "top1_agree": agree, "tokens": float(labels.numel())}
 
 
-def evaluate(draft: Transformer, data: TrainingData, indices, batch_size: int, device) -> dict:
-    """Token-weighted mean loss / CE / KL / top-1 agreement over `indices`."""
+def evaluate(draft: Transformer, data: TrainingData, indices, batch_size: int, device, positions: int = 0,
+             seed: int = 0) -> dict:
+    """Token-weighted mean loss / CE / KL / top-1 agreement over `indices` (with positions > 0, over
+    positions drawn from a fixed generator, so every evaluation sees the same ones)."""
     totals = {"loss": 0.0, "ce": 0.0, "kl": 0.0, "top1_agree": 0.0}
     n = 0.0
+    gen = torch.Generator().manual_seed(seed + 1)
     for j in range(0, len(indices), batch_size):
         batch = _batch(data, indices[j:j + batch_size], device)
-        loss, m = distill_loss(draft, batch)
+        loss, m = distill_loss(draft, batch, positions=positions, generator=gen)
         w = m["tokens"]
         totals["loss"] += float(loss) * w
         for k in ("ce", "kl", "top1_agree"):
@@ -154,6 +177,7 @@ def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, r
     init_layers_from = str(budget.get("lm_init", "spaced"))
     init_layers = draft_layer_ids(target.model.args.n_layers, n_layers, init_layers_from)
     ce_w, kl_w = float(budget.get("ce_weight", CE_WEIGHT)), float(budget.get("kl_weight", KL_WEIGHT))
+    positions = int(budget.get("lm_positions", 0))
     torch.manual_seed(seed)
     draft = init_draft_lm(target.model, n_layers, init_layers_from)
     warm = warm_start(draft, init, target, KIND, draft.args.to_dict()) if init else None
@@ -161,9 +185,10 @@ def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, r
     cfg = LoopConfig.from_budget(budget, seed)
 
     def loss_fn(indices, generator):
-        return distill_loss(draft, _batch(data, indices, device), ce_w, kl_w)
+        return distill_loss(draft, _batch(data, indices, device), ce_w, kl_w, positions, generator)
 
-    eval_fn = (lambda: evaluate(draft, data, val_idx, cfg.batch_size, device)) if val_idx else None
+    eval_fn = ((lambda: evaluate(draft, data, val_idx, cfg.batch_size, device, positions, seed))
+               if val_idx else None)
     t0 = time.perf_counter()
     history, steps = run_training(draft, loss_fn, train_idx, cfg, out_dir, resume=resume, eval_fn=eval_fn,
                                   progress=progress, desc=f"train {policy}", stop_after=stop_after)
@@ -175,14 +200,15 @@ def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, r
                          n_params=n_params, final=final,
                          extra={"draft layers (init from target layers)":
                                 f"{n_layers} ({init_layers})",
-                                "loss": f"{ce_w}·CE + {kl_w}·KL(target‖draft)",
+                                "loss": f"{ce_w}·CE + {kl_w}·KL(target‖draft)" + (
+                                    f", {positions} positions / sequence" if positions > 0 else ""),
                                 **({"warm start": warm_start_line(warm)} if warm else {})})
     if steps < cfg.steps:
         return result  # interrupted on purpose: the checkpoint holds the state, no drafter yet
     summary = {
         "trainer": "specbench.train.draft_lm", "policy": policy, "seed": seed, "steps": steps,
         "budget": budget, "data": data.summary(), "init_layers": init_layers,
-        "loss": {"ce_weight": ce_w, "kl_weight": kl_w}, "final": final, "train_s": round(train_s, 1),
+        "loss": {"ce_weight": ce_w, "kl_weight": kl_w, "positions": positions}, "final": final, "train_s": round(train_s, 1),
         "device": str(device), "torch": torch.__version__, "warm_start": warm,
     }
     save_drafter(out_dir, KIND, draft.args.to_dict(), draft.state_dict(), target, summary)
