@@ -94,10 +94,14 @@ def test_a_stale_pack_is_never_used():
         assert torch.equal(head(x), F.linear(x, head.weight))
 
 
-def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces():
+@pytest.mark.parametrize("dim", [64, 256])  # head size 16: SDPA; 64: the attention kernel too
+def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(dim, monkeypatch):
     """At b = 1 a forward over q tokens and q forwards of one token give identical logits in bf16:
     the property that keeps a greedy speculative policy token-identical to AR in bf16 at b = 1."""
-    model = tiny_model(vocab=96, dim=64, layers=2, dtype=torch.bfloat16)
+    model = tiny_model(vocab=96, dim=dim, layers=2, dtype=torch.bfloat16)
+    calls = []
+    attend = cpu_kernels.attend
+    monkeypatch.setattr(cpu_kernels, "attend", lambda *a: calls.append(a[0].shape) or attend(*a))
     prefix = torch.randint(0, 96, (1, 11))
     new = torch.randint(0, 96, (1, cpu_kernels.MAX_ROWS_AVX512))
 
@@ -112,6 +116,50 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces():
         steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], torch.full((1,), 11 + i, dtype=torch.long))[0]
                            for i in range(new.shape[1])], dim=1)
     assert torch.equal(together, steps)
+    assert bool(calls) == (dim == 256)  # the kernel took the verify and the steps where it applies
+
+
+def _attention_reference(xq, k_cache, v_cache, mask):
+    b, nh, q, hd = xq.shape
+    group, kv_len = nh // k_cache.shape[1], mask.shape[-1]
+    keys = k_cache[:b, :, :kv_len].repeat_interleave(group, 1).float()
+    values = v_cache[:b, :, :kv_len].repeat_interleave(group, 1).float()
+    scores = (xq.float() @ keys.transpose(-1, -2) / hd ** 0.5).masked_fill(~mask[:, None], float("-inf"))
+    return (scores.softmax(-1) @ values).transpose(1, 2).reshape(b, q, nh * hd)
+
+
+@pytest.mark.parametrize("nh,nkv,q,hd,kv_len", [(9, 3, 1, 64, 320), (9, 3, 8, 64, 77), (8, 2, 3, 128, 200),
+                                                (4, 4, 8, 64, 16)])
+@torch.inference_mode()
+def test_attention_kernel_is_as_accurate_as_sdpa_and_row_invariant(nh, nkv, q, hd, kv_len):
+    torch.manual_seed(3)
+    b, max_seq = 2, kv_len + 40
+    xq = torch.randn(b, nh, q, hd).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(b + 1, nkv, max_seq, hd).to(torch.bfloat16) for _ in range(2))
+    mask = torch.rand(b, q, kv_len) < 0.7
+    mask[..., 0] = True
+    assert cpu_kernels.attend_applies(xq, k_cache, v_cache, mask)
+    out = cpu_kernels.attend(xq, k_cache, v_cache, mask)
+    exact = _attention_reference(xq, k_cache, v_cache, mask)
+    group = nh // nkv
+    sdpa = F.scaled_dot_product_attention(xq, k_cache[:b, :, :kv_len].repeat_interleave(group, 1),
+                                          v_cache[:b, :, :kv_len].repeat_interleave(group, 1), attn_mask=mask[:, None])
+    sdpa_error = float((sdpa.transpose(1, 2).reshape(b, q, nh * hd).float() - exact).abs().max())
+    assert float((out.float() - exact).abs().max()) <= max(sdpa_error, 2 ** -8)
+    for r in range(b):  # each token of each row alone, over a longer cache whose extra slots are masked
+        for t in range(q):
+            longer = torch.cat([mask[r:r + 1, t:t + 1], torch.zeros(1, 1, 40, dtype=torch.bool)], dim=-1)
+            alone = cpu_kernels.attend(xq[r:r + 1, :, t:t + 1].contiguous(), k_cache[r:], v_cache[r:], longer)
+            assert torch.equal(alone[0, 0], out[r, t])
+    nothing = torch.zeros(1, 1, kv_len, dtype=torch.bool)  # a query that sees no slot: zeros, not NaN
+    assert not cpu_kernels.attend(xq[:1, :, :1].contiguous(), k_cache, v_cache, nothing).any()
+    assert not cpu_kernels.attend_applies(torch.zeros(1, nh, cpu_kernels.MAX_ATTEND_TOKENS + 1, hd, dtype=torch.bfloat16),
+                                          k_cache, v_cache, mask[:1])
+    over = cpu_kernels.max_rows() // q + 1  # rows beyond the GEMV's: torch's routes for both
+    assert not cpu_kernels.attend_applies(xq[:1].expand(over, -1, -1, -1), k_cache[:1].expand(over, -1, -1, -1),
+                                          v_cache[:1].expand(over, -1, -1, -1), mask[:1].expand(over, -1, -1))
+    assert not cpu_kernels.attend_applies(torch.zeros(1, nh, cpu_kernels.MAX_ATTEND_TOKENS + 1, hd, dtype=torch.bfloat16),
+                                          k_cache, v_cache, mask)
 
 
 def _torch_routes(fn):

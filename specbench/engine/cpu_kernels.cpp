@@ -32,6 +32,9 @@
 // 2. rms_norm_bf16, add_rms_norm_bf16, qkv_rope_cache_bf16: one call each for what model.py's
 // RMSNorm, a residual add followed by RMSNorm, and Attention's split / rope / cache write do in
 // 8-25 torch calls. Each works row by row, so it too gives a row the same bits in any batch.
+//
+// 3. attend_bf16: attention of a few new queries per row over the cache (below, before the
+// operator registrations), in place of SDPA for decode and verify forwards.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -40,6 +43,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -307,6 +311,203 @@ at::Tensor qkv_rope_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, con
     }
   return out;
 }
+// 3. attend_bf16: softmax(q·kᵀ / √hd + mask) · v for each query row over the cache, the new
+// queries' keys and values already written (qkv_rope_cache_bf16). SDPA took ~40 µs a layer for one
+// decode query at 320 cached slots on the 2-core Xeon, most of it set-up; the work is ~10 µs.
+//
+// One item is one row, one KV head and up to 8 of the row's tokens: the tokens × `group` query heads
+// that read that KV head.
+// Keys go in blocks of 16, each block transposed once per item into pairs of dimensions × 16 keys
+// (the layout VDPBF16PS wants), so one query's 16 scores accumulate side by side, pair by pair in
+// increasing order, in fp32. Then a vector exp, the softmax sum per lane, and Σ p·v over the keys in
+// increasing order, in fp32, skipping terms whose p is 0; the output is rounded to bf16 once. A
+// masked key scores -inf, i.e. p = 0, so a query's bits depend on neither the number of rows, nor
+// of tokens per row, nor the cache length past its last visible slot: a verify forward attends
+// exactly as the AR steps it replaces. A query that sees no slot gives zeros (SDPA: NaN).
+
+// e^x for x <= 0 (x = -inf gives 0): 2^n · e^r, n = round(x / ln 2), |r| <= ln 2 / 2, Taylor to r^7.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 dead = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody-Waite)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~dead), _mm512_scalef_ps(p, n));
+}
+
+// 16 rows of 16 dwords → out[p] = dword p of every row (a 16 × 16 transpose of 32-bit elements).
+inline void transpose_16x16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int a = 0; a < 4; ++a) {  // u[4a + c], 128-bit lane L: dword 4L + c of rows 4a .. 4a + 3
+    u[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    out[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    out[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    out[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// Bit u set where key j0 + u < L is visible in this mask row.
+inline __mmask16 visible_16(const bool* mask_row, int64_t j0, int64_t L) {
+  const __mmask16 in_range = L - j0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - j0)) - 1u);
+  const __m128i bytes = _mm_maskz_loadu_epi8(in_range, mask_row + j0);
+  return _mm_mask_cmpneq_epi8_mask(in_range, bytes, _mm_setzero_si128());
+}
+
+// One item: R query rows q_rows[i] (hd bf16 each) with mask rows mask_rows[i] [L]; keys / values
+// K, V [L, hd] with row strides ks, vs; out_rows[i] = attention output (hd bf16).
+// scores: scratch of R · L16 floats.
+template <int HD>
+void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R, const bf16* K, int64_t ks,
+                 const bf16* V, int64_t vs, int64_t L, float scale, bf16* const* out_rows, float* scores) {
+  constexpr int PAIRS = HD / 2;  // dword pairs of dimensions per key
+  constexpr int OV = HD / 16;    // fp32 vectors per output row
+  const int64_t L16 = (L + 15) / 16 * 16;
+  alignas(64) __m512i kt[PAIRS];  // the block, pair p of the 16 keys in kt[p]
+  for (int64_t j0 = 0; j0 < L16; j0 += 16) {
+    for (int c = 0; c < PAIRS / 16; ++c) {
+      __m512i rows[16];
+      for (int u = 0; u < 16; ++u)
+        rows[u] = j0 + u < L ? _mm512_loadu_si512(K + (j0 + u) * ks + 32 * c) : _mm512_setzero_si512();
+      transpose_16x16(rows, kt + 16 * c);
+    }
+    // 4 queries at a time, two chains each: 8 independent VDPBF16PS sums hide its latency.
+    for (int i0 = 0; i0 < R; i0 += 4) {
+      const int n = std::min(4, R - i0);
+      __mmask16 live[4];
+      __m512 even[4], odd[4];
+      const int32_t* qp[4];
+      for (int i = 0; i < 4; ++i) {
+        const int row = i0 + std::min(i, n - 1);
+        live[i] = visible_16(mask_rows[row], j0, L);
+        qp[i] = reinterpret_cast<const int32_t*>(q_rows[row]);
+        even[i] = odd[i] = _mm512_setzero_ps();
+      }
+      for (int p = 0; p < PAIRS; p += 2) {
+        const __m512bh k0 = (__m512bh)kt[p], k1 = (__m512bh)kt[p + 1];
+        for (int i = 0; i < 4; ++i) {
+          even[i] = _mm512_dpbf16_ps(even[i], k0, (__m512bh)_mm512_set1_epi32(qp[i][p]));
+          odd[i] = _mm512_dpbf16_ps(odd[i], k1, (__m512bh)_mm512_set1_epi32(qp[i][p + 1]));
+        }
+      }
+      for (int i = 0; i < n; ++i) {
+        const __m512 dot = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(scale));
+        _mm512_storeu_ps(scores + (i0 + i) * L16 + j0, _mm512_mask_blend_ps(live[i], _mm512_set1_ps(-INFINITY), dot));
+      }
+    }
+  }
+  std::vector<float> inv_sum(R);
+  for (int i = 0; i < R; ++i) {
+    float* s = scores + i * L16;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < L16; j0 += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j0));
+    const float row_max = _mm512_reduce_max_ps(vmax);
+    if (row_max == -INFINITY) {  // nothing visible: all p = 0
+      for (int64_t j0 = 0; j0 < L16; j0 += 16) _mm512_storeu_ps(s + j0, _mm512_setzero_ps());
+      inv_sum[i] = 0.f;
+      continue;
+    }
+    const __m512 mx = _mm512_set1_ps(row_max);
+    __m512 lsum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < L16; j0 += 16) {
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j0), mx));
+      _mm512_storeu_ps(s + j0, p);
+      lsum = _mm512_add_ps(lsum, p);
+    }
+    inv_sum[i] = 1.f / _mm512_reduce_add_ps(lsum);
+  }
+  // Σ p·v, 4 queries at a time sharing each value row's conversion to fp32.
+  for (int i0 = 0; i0 < R; i0 += 4) {
+    const int n = std::min(4, R - i0);
+    const float* p[4];
+    for (int i = 0; i < 4; ++i) p[i] = scores + (i0 + std::min(i, n - 1)) * L16;
+    __m512 acc[4][OV];
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+      if (p[0][j] == 0.f && p[1][j] == 0.f && p[2][j] == 0.f && p[3][j] == 0.f) continue;
+      const bf16* v = V + j * vs;
+      __m512 vf[OV];
+      for (int c = 0; c < OV; ++c) vf[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + 16 * c)));
+      for (int i = 0; i < n; ++i) {  // a p of 0 adds exact zeros (finite cache values)
+        const __m512 pj = _mm512_set1_ps(p[i][j]);
+        for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_fmadd_ps(pj, vf[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      const __m512 inv = _mm512_set1_ps(inv_sum[i0 + i]);
+      for (int c = 0; c < OV; ++c)
+        _mm256_storeu_si256((__m256i*)(out_rows[i0 + i] + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], inv)));
+    }
+  }
+}
+
+// q [b, nh, q, hd] (rope applied), caches [B >= b, nkv, S, hd], mask [b, q, kv_len] bool →
+// [b, q, nh · hd], o_proj's input. Query head h reads KV head h / (nh / nkv), as model.py's folded SDPA.
+at::Tensor attend_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask) {
+  for (const at::Tensor& t : {q, k_cache, v_cache}) check_bf16_cpu(t, "attend_bf16");
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && mask.dim() == 3,
+              "attend_bf16: q [b, nh, q, hd], caches [B, nkv, S, hd], mask [b, q, L]");
+  const int64_t b = q.size(0), nh = q.size(1), nq = q.size(2), hd = q.size(3), nkv = k_cache.size(1), L = mask.size(2);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == b && mask.size(1) == nq, "attend_bf16: mask [b, q, L] bool");
+  TORCH_CHECK((hd == 64 || hd == 128) && nh % nkv == 0, "attend_bf16: hd 64 or 128, nh a multiple of nkv");
+  TORCH_CHECK(k_cache.size(0) >= b && v_cache.size(0) >= b && v_cache.size(1) == nkv && k_cache.size(3) == hd &&
+              v_cache.size(3) == hd && k_cache.size(2) >= L && v_cache.size(2) >= L && k_cache.stride(3) == 1 &&
+              v_cache.stride(3) == 1, "attend_bf16: caches [B >= b, nkv, S >= L, hd]");
+  at::Tensor qc = q.contiguous(), mc = mask.contiguous();
+  at::Tensor out = at::empty({b, nq, nh * hd}, q.options());
+  const bf16* qp = qc.data_ptr<bf16>(); const bool* mp = mc.data_ptr<bool>();
+  const bf16* kp = k_cache.data_ptr<bf16>(); const bf16* vp = v_cache.data_ptr<bf16>(); bf16* op = out.data_ptr<bf16>();
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const int64_t G = nh / nkv;
+  constexpr int64_t kChunk = 8;  // tokens per item: more items than threads, each block transposed once per item
+  const int64_t chunks = (nq + kChunk - 1) / kChunk, R = std::min(nq, kChunk) * G;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const int64_t L16 = (L + 15) / 16 * 16;
+  at::parallel_for(0, b * nkv * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(static_cast<size_t>(R * L16));
+    std::vector<const bf16*> q_rows(R); std::vector<const bool*> mask_rows(R); std::vector<bf16*> out_rows(R);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t chunk = item % chunks, h = (item / chunks) % nkv, r = item / (chunks * nkv);
+      const int64_t t0 = chunk * kChunk, t1 = std::min(nq, t0 + kChunk);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t head = h * G + g, i = (t - t0) * G + g;
+          q_rows[i] = qp + ((r * nh + head) * nq + t) * hd;
+          mask_rows[i] = mp + (r * nq + t) * L;
+          out_rows[i] = op + (r * nq + t) * nh * hd + head * hd;
+        }
+      const bf16* K = kp + r * ks0 + h * ks1; const bf16* V = vp + r * vs0 + h * vs1;
+      const int rows = static_cast<int>((t1 - t0) * G);
+      if (hd == 64) attend_item<64>(q_rows.data(), mask_rows.data(), rows, K, ks2, V, vs2, L, scale, out_rows.data(),
+                                    scores.data());
+      else attend_item<128>(q_rows.data(), mask_rows.data(), rows, K, ks2, V, vs2, L, scale, out_rows.data(),
+                            scores.data());
+    }
+  });
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(specbench_cpu, m) {
@@ -316,10 +517,12 @@ TORCH_LIBRARY(specbench_cpu, m) {
   m.def("add_rms_norm_bf16(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("qkv_rope_cache_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int nh, int nkv, int hd) -> Tensor");
+  m.def("attend_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("gemv_bf16", gemv_bf16);
   m.impl("rms_norm_bf16", rms_norm_bf16);
   m.impl("add_rms_norm_bf16", add_rms_norm_bf16);
   m.impl("qkv_rope_cache_bf16", qkv_rope_cache_bf16);
+  m.impl("attend_bf16", attend_bf16);
 }

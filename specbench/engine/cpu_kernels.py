@@ -1,6 +1,7 @@
 """bf16 kernels for a decode step on a CPU (cpu_kernels.cpp): a GEMV for up to `max_rows()` rows
 that streams the weights at close to the machine's read rate, and the small per-row ops around it
-(RMSNorm, residual add + RMSNorm, q/k/v split + rope + KV-cache write) fused into one call each.
+(RMSNorm, residual add + RMSNorm, q/k/v split + rope + KV-cache write, attention over the cache)
+fused into one call each.
 
 Built once per machine and torch with torch's C++ extension loader (g++ and ninja; torch keeps the
 build in its extensions folder and rebuilds when the source changes) and used only where it
@@ -28,6 +29,13 @@ from torch import Tensor
 # of the default model: 64 with AMX tiles (at 128 oneDNN won on the 49152-row head), 8 with
 # AVX-512 BF16 only, whose 16 rows lost (docs/performance.md "A bf16 GEMV of our own").
 MAX_ROWS_AMX, MAX_ROWS_AVX512 = 64, 8
+# Forwards of up to this many new tokens per row, and at most `max_rows()` rows in all (where the
+# GEMV's route changes too), attend with `attend` instead of SDPA: AR steps at any batch size up to
+# that, chain verification at small ones. Beyond, both routes are torch's, for AR and verify
+# alike. Median µs per layer, attend vs SDPA, 320 cached slots, 2-core Xeon (AMX), one run:
+# b = 1: q = 1 20 vs 68, q = 8 83 vs 113; b = 8: q = 1 100 vs 295, q = 8 553 vs 556;
+# b = 16, q = 8: 1153 vs 990; b = 1, q = 64 (a tree): 578 vs 365.
+MAX_ATTEND_TOKENS = 8
 BLOCK = 32  # output features per packed block (cpu_kernels.cpp: kBlock)
 ENABLED = os.environ.get("SPECBENCH_CPU_KERNELS", "1") != "0"
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -125,3 +133,19 @@ def qkv_rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache
     v written into the caches at `slots` [b, q]."""
     return torch.ops.specbench_cpu.qkv_rope_cache_bf16(qkv, cos, sin, slots, k_cache, v_cache,
                                                        n_heads, n_kv_heads, head_dim)
+
+
+def attend_applies(xq: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> bool:
+    """Whether `attend` may stand in for the SDPA of Attention._attend: bf16 on a CPU, at most
+    MAX_ATTEND_TOKENS new tokens per row and `max_rows()` in all, head size 64 or 128."""
+    b, nh, q, hd = xq.shape
+    return (q <= MAX_ATTEND_TOKENS and hd in (64, 128) and nh % k_cache.shape[1] == 0
+            and mask.dtype == torch.bool and applies(xq, k_cache, v_cache) and b * q <= max_rows())
+
+
+def attend(xq: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
+    """softmax(xq·kᵀ/√hd, where mask) · v over the first mask.shape[-1] cache slots of each row:
+    xq [b, nh, q, hd], caches [B >= b, nkv, S, hd], mask [b, q, kv_len] bool → [b, q, nh·hd]
+    (o_proj's input). Query head h reads KV head h // (nh // nkv). A row's bits do not depend on
+    the number of rows, of tokens per row, or on kv_len beyond its last visible slot."""
+    return torch.ops.specbench_cpu.attend_bf16(xq, k_cache, v_cache, mask)

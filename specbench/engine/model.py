@@ -315,6 +315,10 @@ class Attention(nn.Module):
         """SDPA of the new queries xq [b, nh, q, hd] over the cache (already holding their own keys
         and values), then o_proj."""
         b, nh, q, hd = xq.shape
+        if cpu_kernels.attend_applies(xq, self.k_cache, self.v_cache, mask):
+            # bf16 on a CPU, decode / verify: one call, the same bits for a row whatever the number of
+            # rows and tokens (cpu_kernels.cpp: attend_bf16)
+            return self.o_proj(cpu_kernels.attend(xq, self.k_cache, self.v_cache, mask))
         nkv = self.n_kv_heads
         kv_len = mask.shape[-1]
         keys = self.k_cache[:b, :, :kv_len]
