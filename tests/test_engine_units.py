@@ -149,6 +149,37 @@ def test_packed_qkv_is_used_survives_casts_and_matches_the_separate_projections(
     assert model.model.layers[0].self_attn.qkv_weight.dtype == torch.bfloat16
 
 
+def test_packed_gate_up_is_used_survives_casts_and_matches_the_separate_projections(monkeypatch):
+    from specbench.engine import cpu_kernels
+
+    fused = []
+    silu_mul = cpu_kernels.silu_mul
+    monkeypatch.setattr(cpu_kernels, "silu_mul", lambda x: fused.append(x.shape) or silu_mul(x))
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(dtype=dtype)
+        mlp = model.model.layers[0].mlp
+        with torch.inference_mode():
+            assert mlp._packed(), "a fresh (and cast) model projects gate and up with one packed matrix"
+            packed = _decode_logits(model, [1, 2, 3, 4])
+            for layer in model.model.layers:  # the two separate projections, same weights
+                layer.mlp.gate_up_weight = None
+            assert not mlp._packed()
+            separate = _decode_logits(model, [1, 2, 3, 4])
+        assert torch.equal(packed, separate), dtype
+    assert bool(fused) == cpu_kernels.available()  # bf16 on this CPU: silu(gate) · up fused
+    model = tiny_model()
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2.0)  # an in-place write lands in the pack
+    assert torch.equal(mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]:], mlp.up_proj.weight)
+    mlp.gate_proj.weight = torch.nn.Parameter(mlp.gate_proj.weight.detach().clone(), requires_grad=False)
+    assert not mlp._packed()  # a replaced parameter: the separate projections, never a stale pack
+    trainable = tiny_model().requires_grad_(True).model.layers[0].mlp
+    assert not trainable._packed()  # grad enabled and trainable weights: the parameters themselves run
+    trainable(torch.randn(1, 2, trainable.gate_proj.weight.shape[1])).sum().backward()
+    assert trainable.gate_proj.weight.grad is not None and trainable.up_proj.weight.grad is not None
+
+
 def test_packed_qkv_follows_weight_writes_and_falls_back_when_a_weight_is_replaced():
     model = tiny_model()
     attn = model.model.layers[0].self_attn

@@ -33,8 +33,9 @@
 // RMSNorm, a residual add followed by RMSNorm, and Attention's split / rope / cache write do in
 // 8-25 torch calls. Each works row by row, so it too gives a row the same bits in any batch.
 //
-// 3. attend_bf16: attention of a few new queries per row over the cache (below, before the
-// operator registrations), in place of SDPA for decode and verify forwards.
+// 3. attend_bf16: attention of a few new queries per row over the cache, in place of SDPA for
+// decode and verify forwards; 4. silu_mul_bf16: the MLP's silu(gate) · up (both below, before the
+// operator registrations).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -508,6 +509,43 @@ at::Tensor attend_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at:
   });
   return out;
 }
+// 4. silu_mul_bf16: model.py's MLP between its packed gate|up product and down_proj,
+// bf16(bf16(silu(g)) · u) with silu(g) = g · sigmoid(g) in fp32, as torch rounds F.silu(g) * u.
+// The sigmoid uses e^-|g| (exp_nonpositive), so the last fp32 bits of silu may differ from torch's;
+// each element stands alone, so a row's bits do not depend on the rows beside it.
+inline __m512 silu_fp32(__m512 g) {
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // e^-|g|
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+  return _mm512_mul_ps(g, sigmoid);
+}
+
+inline __m512 load_bf16(const bf16* p, __mmask16 m) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
+}
+
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  check_bf16_cpu(gate_up, "silu_mul_bf16");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul_bf16: [..., 2 I]");
+  const int64_t I = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * I);
+  at::Tensor x = gate_up.contiguous();
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  const bf16* xp = x.data_ptr<bf16>(); bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16* g = xp + r * 2 * I; const bf16* u = g + I; bf16* o = op + r * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1u);
+        const __m512 s = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(silu_fp32(load_bf16(g + i, m))));  // rounded as F.silu's output
+        _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, load_bf16(u + i, m))));
+      }
+    }
+  });
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(specbench_cpu, m) {
@@ -518,6 +556,7 @@ TORCH_LIBRARY(specbench_cpu, m) {
   m.def("qkv_rope_cache_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int nh, int nkv, int hd) -> Tensor");
   m.def("attend_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask) -> Tensor");
+  m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("gemv_bf16", gemv_bf16);
@@ -525,4 +564,5 @@ TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("add_rms_norm_bf16", add_rms_norm_bf16);
   m.impl("qkv_rope_cache_bf16", qkv_rope_cache_bf16);
   m.impl("attend_bf16", attend_bf16);
+  m.impl("silu_mul_bf16", silu_mul_bf16);
 }

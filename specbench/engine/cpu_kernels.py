@@ -1,7 +1,7 @@
 """bf16 kernels for a decode step on a CPU (cpu_kernels.cpp): a GEMV for up to `max_rows()` rows
 that streams the weights at close to the machine's read rate, and the small per-row ops around it
-(RMSNorm, residual add + RMSNorm, q/k/v split + rope + KV-cache write, attention over the cache)
-fused into one call each.
+(RMSNorm, residual add + RMSNorm, q/k/v split + rope + KV-cache write, attention over the cache,
+the MLP's silu(gate) · up) fused into one call each.
 
 Built once per machine and torch with torch's C++ extension loader (g++ and ninja; torch keeps the
 build in its extensions folder and rebuilds when the source changes) and used only where it
@@ -149,3 +149,9 @@ def attend(xq: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor
     (o_proj's input). Query head h reads KV head h // (nh // nkv). A row's bits do not depend on
     the number of rows, of tokens per row, or on kv_len beyond its last visible slot."""
     return torch.ops.specbench_cpu.attend_bf16(xq, k_cache, v_cache, mask)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) · up for gate_up = [..., gate | up] (MLP.pack_gate_up's product), with torch's
+    roundings: bf16(bf16(silu(gate)) · up), silu in fp32."""
+    return torch.ops.specbench_cpu.silu_mul_bf16(gate_up)

@@ -193,7 +193,7 @@ class Linear(nn.Linear):
 
 
 def _without_packs(state: dict) -> dict:
-    return {**state, **{k: None for k in ("gemm_pack", "qkv_gemm_pack") if k in state}}
+    return {**state, **{k: None for k in ("gemm_pack", "qkv_gemm_pack", "gate_up_gemm_pack") if k in state}}
 
 
 def fold_mask(mask: Tensor, group: int) -> Tensor:
@@ -348,9 +348,40 @@ class MLP(nn.Module):
         self.gate_proj = Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_weight: Tensor | None = None  # see pack_gate_up
+        self.gate_up_gemm_pack = None  # pack_weight(gate_up_weight), set by Transformer.pack_weights
+
+    def __getstate__(self):
+        return _without_packs(super().__getstate__())
+
+    def pack_gate_up(self) -> None:
+        """Put the gate and up projection weights into one [2·I, dim] tensor and make the two
+        parameters views of it (as Attention.pack_qkv does, for the same reason): one product
+        instead of two, whose outputs are bit-identical to the two separate GEMVs."""
+        with torch.no_grad(), torch.inference_mode(False):
+            weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+            rows = self.gate_proj.weight.shape[0]
+            for p, part in ((self.gate_proj, weight[:rows]), (self.up_proj, weight[rows:])):
+                p.weight = nn.Parameter(part, requires_grad=p.weight.requires_grad)
+        self.gate_up_weight = weight
+
+    def _packed(self) -> bool:
+        """Whether gate and up are still views of the packed tensor, no gradient needed."""
+        w = self.gate_up_weight
+        if w is None or (torch.is_grad_enabled() and self.gate_proj.weight.requires_grad):
+            return False
+        step = w.stride(0) * w.element_size()
+        return (self.gate_proj.weight.data_ptr() == w.data_ptr()
+                and self.up_proj.weight.data_ptr() == w.data_ptr() + self.gate_proj.weight.shape[0] * step)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not self._packed():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = linear(x, self.gate_up_weight, None, fresh_pack(self.gate_up_weight, self.gate_up_gemm_pack))
+        if cpu_kernels.applies(gate_up):  # bf16 on a CPU: silu(gate) · up in one call
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -396,7 +427,7 @@ class Transformer(nn.Module):
         self.pack_weights()
 
     def pack_weights(self) -> None:
-        """Attention.pack_qkv in every layer, then (bf16 on a CPU) every projection's weight copied
+        """Attention.pack_qkv and MLP.pack_gate_up in every layer, then (bf16 on a CPU) every projection's weight copied
         into the faster layouts (`pack_weight`: oneDNN's GEMM, the suite's GEMV kernel) — unless
         those copies would take more than a quarter of the machine's memory (they triple the
         weights' footprint). Runs at
@@ -404,16 +435,21 @@ class Transformer(nn.Module):
         assigns new parameters calls it again."""
         for layer in self.model.layers:
             layer.self_attn.pack_qkv()
+            layer.mlp.pack_gate_up()
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         room = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4 if hasattr(os, "sysconf") else 0
         pack = 2 * weight_bytes <= room
         attentions = [layer.self_attn for layer in self.model.layers]
-        in_qkv = {id(p) for a in attentions for p in (a.q_proj, a.k_proj, a.v_proj)}  # run packed together
+        mlps = [layer.mlp for layer in self.model.layers]
+        run_packed = ({id(p) for a in attentions for p in (a.q_proj, a.k_proj, a.v_proj)}
+                      | {id(p) for m in mlps for p in (m.gate_proj, m.up_proj)})
         for module in self.modules():
             if isinstance(module, Linear):
-                module.gemm_pack = pack_weight(module.weight) if pack and id(module) not in in_qkv else None
+                module.gemm_pack = pack_weight(module.weight) if pack and id(module) not in run_packed else None
         for a in attentions:
             a.qkv_gemm_pack = pack_weight(a.qkv_weight) if pack else None
+        for m in mlps:
+            m.gate_up_gemm_pack = pack_weight(m.gate_up_weight) if pack else None
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
