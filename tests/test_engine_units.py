@@ -1,5 +1,6 @@
 """The engine's pieces on their own (the end-to-end lossless tests cover them together):
 verify_chain, top-p filtering, KV-bucket sizing, move_cache, and committing tokens to a row."""
+import pytest
 import torch
 
 from specbench.engine.core import RequestResult, commit_tokens
@@ -132,43 +133,37 @@ def _decode_logits(model, prompt, steps=3):
     return torch.cat(out)
 
 
-def test_packed_qkv_is_used_survives_casts_and_matches_the_separate_projections():
-    for dtype in (torch.float32, torch.bfloat16):
-        model = tiny_model(dtype=dtype)
-        attn = model.model.layers[0].self_attn
-        with torch.inference_mode():
-            assert attn._packed(), "a fresh (and cast) model projects q/k/v with one packed matrix"
-            packed = _decode_logits(model, [1, 2, 3, 4])
-            for layer in model.model.layers:  # the three separate projections, same weights
-                layer.self_attn.qkv_weight = None
-            assert not attn._packed()
-            separate = _decode_logits(model, [1, 2, 3, 4])
-        assert torch.equal(packed, separate), dtype
-    model = tiny_model().to(torch.bfloat16)  # .to() replaces parameter storage: _apply packs again
-    assert model.model.layers[0].self_attn._packed()
-    assert model.model.layers[0].self_attn.qkv_weight.dtype == torch.bfloat16
+# (module of a layer, its packed tensor's attribute): q/k/v and gate/up each run as one product
+PACKED = {"qkv": ("self_attn", "qkv_weight"), "gate_up": ("mlp", "gate_up_weight")}
 
 
-def test_packed_gate_up_is_used_survives_casts_and_matches_the_separate_projections(monkeypatch):
+@pytest.mark.parametrize("pack", sorted(PACKED))
+def test_packed_projections_are_used_survive_casts_and_match_the_separate_ones(pack, monkeypatch):
     from specbench.engine import cpu_kernels
 
+    part, attr = PACKED[pack]
     fused = []
     silu_mul = cpu_kernels.silu_mul
     monkeypatch.setattr(cpu_kernels, "silu_mul", lambda x: fused.append(x.shape) or silu_mul(x))
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_model(dtype=dtype)
-        mlp = model.model.layers[0].mlp
+        module = getattr(model.model.layers[0], part)
         with torch.inference_mode():
-            assert mlp._packed(), "a fresh (and cast) model projects gate and up with one packed matrix"
+            assert module._packed(), "a fresh (and cast) model runs the packed projection"
             packed = _decode_logits(model, [1, 2, 3, 4])
-            for layer in model.model.layers:  # the two separate projections, same weights
-                layer.mlp.gate_up_weight = None
-            assert not mlp._packed()
+            for layer in model.model.layers:  # the separate projections, same weights
+                setattr(getattr(layer, part), attr, None)
+            assert not module._packed()
             separate = _decode_logits(model, [1, 2, 3, 4])
         assert torch.equal(packed, separate), dtype
-    assert bool(fused) == cpu_kernels.available()  # bf16 on this CPU: silu(gate) · up fused
-    model = tiny_model()
-    mlp = model.model.layers[0].mlp
+    assert bool(fused) == cpu_kernels.available()  # bf16 on this CPU: the MLP's silu(gate) · up fused
+    model = tiny_model().to(torch.bfloat16)  # .to() replaces parameter storage: _apply packs again
+    assert getattr(model.model.layers[0], part)._packed()
+    assert getattr(getattr(model.model.layers[0], part), attr).dtype == torch.bfloat16
+
+
+def test_packed_gate_up_follows_weight_writes_falls_back_and_never_bypasses_gradients():
+    mlp = tiny_model().model.layers[0].mlp
     with torch.no_grad():
         mlp.up_proj.weight.mul_(2.0)  # an in-place write lands in the pack
     assert torch.equal(mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]:], mlp.up_proj.weight)
