@@ -196,6 +196,39 @@ def _without_packs(state: dict) -> dict:
     return {**state, **{k: None for k in ("gemm_pack", "qkv_gemm_pack", "gate_up_gemm_pack") if k in state}}
 
 
+def pack_rows(projections) -> tuple[Tensor, Tensor | None]:
+    """The weights (and biases) of `projections` stacked into one tensor, each projection's
+    parameters made views of their rows in it (Attention.pack_qkv, MLP.pack_gate_up): names,
+    state dicts and in-place loads are unchanged, and writes to a parameter land in the stack."""
+    with torch.no_grad(), torch.inference_mode(False):
+        weight = torch.cat([p.weight.detach() for p in projections])
+        has_bias = projections[0].bias is not None
+        bias = torch.cat([p.bias.detach() for p in projections]) if has_bias else None
+        start = 0
+        for p in projections:
+            rows = p.weight.shape[0]
+            requires_grad = p.weight.requires_grad
+            p.weight = nn.Parameter(weight[start:start + rows], requires_grad=requires_grad)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[start:start + rows], requires_grad=requires_grad)
+            start += rows
+    return weight, bias
+
+
+def packed_rows_hold(weight: Tensor | None, projections) -> bool:
+    """Whether `projections`' weights are still consecutive views of `weight` (pack_rows; a .to(),
+    an assigning load or a replaced parameter breaks that) and no gradient must reach them."""
+    if weight is None or (torch.is_grad_enabled() and projections[0].weight.requires_grad):
+        return False
+    step = weight.stride(0) * weight.element_size()
+    start = 0
+    for p in projections:
+        if p.weight.data_ptr() != weight.data_ptr() + start * step:
+            return False
+        start += p.weight.shape[0]
+    return True
+
+
 def fold_mask(mask: Tensor, group: int) -> Tensor:
     """[b, q, kv_len] → [b, 1, group·q, kv_len]: the mask of the folded-GQA query axis (query head
     h of a KV group at row (h mod group)·q + i sees what query i sees). Built once per forward."""
@@ -252,31 +285,12 @@ class Attention(nn.Module):
         docs/performance.md "Decode core, session 5"). For a GEMV each output is its own
         dot product, so the packed product is bit-identical to the three separate ones; a GEMM
         (prefill) may block its work differently and round differently in bf16."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        with torch.no_grad(), torch.inference_mode(False):
-            weight = torch.cat([p.weight.detach() for p in projections])
-            bias = torch.cat([p.bias.detach() for p in projections]) if self.q_proj.bias is not None else None
-            start = 0
-            for p in projections:
-                rows = p.weight.shape[0]
-                requires_grad = p.weight.requires_grad
-                p.weight = nn.Parameter(weight[start:start + rows], requires_grad=requires_grad)
-                if bias is not None:
-                    p.bias = nn.Parameter(bias[start:start + rows], requires_grad=requires_grad)
-                start += rows
-        self.qkv_weight, self.qkv_bias = weight, bias
+        self.qkv_weight, self.qkv_bias = pack_rows((self.q_proj, self.k_proj, self.v_proj))
 
     def _packed(self) -> bool:
         """Whether the q/k/v parameters are still views of the packed tensor (a .to(), an
         assigning load or a replaced parameter breaks that), and no gradient must reach them."""
-        w = self.qkv_weight
-        if w is None or (torch.is_grad_enabled() and self.q_proj.weight.requires_grad):
-            return False
-        q_rows = self.q_proj.weight.shape[0]
-        step = w.stride(0) * w.element_size()
-        return (self.q_proj.weight.data_ptr() == w.data_ptr()
-                and self.k_proj.weight.data_ptr() == w.data_ptr() + q_rows * step
-                and self.v_proj.weight.data_ptr() == w.data_ptr() + (q_rows + self.k_proj.weight.shape[0]) * step)
+        return packed_rows_hold(self.qkv_weight, (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor,
                 folded_mask: Tensor | None = None) -> Tensor:
@@ -358,21 +372,11 @@ class MLP(nn.Module):
         """Put the gate and up projection weights into one [2·I, dim] tensor and make the two
         parameters views of it (as Attention.pack_qkv does, for the same reason): one product
         instead of two, whose outputs are bit-identical to the two separate GEMVs."""
-        with torch.no_grad(), torch.inference_mode(False):
-            weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
-            rows = self.gate_proj.weight.shape[0]
-            for p, part in ((self.gate_proj, weight[:rows]), (self.up_proj, weight[rows:])):
-                p.weight = nn.Parameter(part, requires_grad=p.weight.requires_grad)
-        self.gate_up_weight = weight
+        self.gate_up_weight, _ = pack_rows((self.gate_proj, self.up_proj))
 
     def _packed(self) -> bool:
         """Whether gate and up are still views of the packed tensor, no gradient needed."""
-        w = self.gate_up_weight
-        if w is None or (torch.is_grad_enabled() and self.gate_proj.weight.requires_grad):
-            return False
-        step = w.stride(0) * w.element_size()
-        return (self.gate_proj.weight.data_ptr() == w.data_ptr()
-                and self.up_proj.weight.data_ptr() == w.data_ptr() + self.gate_proj.weight.shape[0] * step)
+        return packed_rows_hold(self.gate_up_weight, (self.gate_proj, self.up_proj))
 
     def forward(self, x: Tensor) -> Tensor:
         if not self._packed():
