@@ -98,7 +98,8 @@ def make_records(
                         ids = list(range(n_prompts))
                         for start in range(0, n_prompts, b):
                             group = ids[start : start + b]
-                            batch_id = f"{pol}-{wl}-b{b}-r{rep}-t{t}-{batch_no}"
+                            # the runner's format (runner.py::iter_group): the pairing of batches relies on it
+                            batch_id = f"{wl}|b{b}|t{temperature:g}|s0|r{rep}|batch{start // b}|turn{t}|{pol}"
                             batch_no += 1
                             recs = []
                             for i in group:

@@ -210,3 +210,67 @@ def test_sts_fit_follows_the_sampling_temperature(target):
             assert len(raw) == len(req.trace_confidence) > 0
             expected = torch.sigmoid(raw / torch.tensor(fits[fit]))
             torch.testing.assert_close(torch.tensor(req.trace_confidence), expected, atol=1e-4, rtol=0)  # traces keep 4 decimals
+
+
+def test_deferred_context_equals_per_round_appends(target):
+    """With the draft gate, the features of skipped rounds reach the draft context in one append when
+    drafting resumes (DSpark._flush_context). Ragged rounds (a drafted round's 4, 2 and 0 entries,
+    then one-token rounds while a row has finished) must land in the slots, with the K/V, that one
+    append per round gives."""
+    import copy
+
+    drafter = make_drafter(target, seed=4)
+    twin = copy.deepcopy(drafter)
+    width = drafter.fc.in_features
+    gen = torch.Generator().manual_seed(3)
+    feats = lambda n: torch.randn(3, n, width, generator=gen)  # noqa: E731
+    prompt = feats(5)
+    rounds = [(feats(4), torch.tensor([4, 2, 0])), (feats(1), torch.tensor([1, 1, 0])), (feats(1), torch.tensor([1, 0, 0]))]
+    for d in (drafter, twin):
+        d.setup_cache(3, 64)
+        d.append_context(prompt, counts=torch.tensor([5, 3, 2]))
+    for f, c in rounds:
+        drafter.append_context(f, counts=c)
+    pol = DSpark(twin, scheduler="fixed")
+    pol.pending_context = list(rounds)
+    pol._flush_context()
+    assert pol.pending_context == []
+    assert twin.ctx_len.tolist() == drafter.ctx_len.tolist() == [11, 6, 2]
+    for r, n in enumerate(drafter.ctx_len.tolist()):
+        for mine, theirs in ((twin.k_cache, drafter.k_cache), (twin.v_cache, drafter.v_cache)):
+            for a, b in zip(mine, theirs):
+                torch.testing.assert_close(a[r, :, :n], b[r, :, :n])
+
+
+def test_draft_gate_defers_context_without_changing_drafts(target):
+    """Decoding with the deferred context proposes the same drafts (the confidences of every drafted
+    round) as appending after every round, and the context holds as many entries whenever the
+    drafter runs (the committed prefix: ctx_len == lengths − 1, which the eager appends keep)."""
+    prompts = random_prompts(4, VOCAB, seed=6)
+    config = SamplingConfig(max_new_tokens=40)
+    runs = []
+    for eager in (False, True):
+        pol = DSpark(make_drafter(target, seed=4), scheduler="algorithm1", step_seconds=lambda rows, q: 0.01,
+                     draft_seconds=lambda rows: 100.0, sts_temperatures=[1.3, 0.8, 1.0, 1.1], draft_gate=True)
+        observe, draft_block = pol.observe, pol.draft_model.draft_block
+        if eager:  # the reference: every round's features appended at once
+            def observe_now(*a, _observe=observe, _pol=pol):
+                _observe(*a)
+                _pol._flush_context()
+            pol.observe = observe_now
+        seen = []
+
+        def check(anchors, *a, _pol=pol, _draft=draft_block, **k):
+            seen.append(_pol.draft_model.ctx_len[: len(anchors)].clone())
+            return _draft(anchors, *a, **k)
+        pol.draft_model.draft_block = check
+        out = generate(target, pol, prompts, config).requests
+        runs.append(([r.trace_confidence for r in out], [r.output_ids for r in out], [x.tolist() for x in seen]))
+        assert len(seen) > 2 and any(not c for r in out for c in r.trace_confidence)  # it skipped and drafted
+    (deferred, ids, ctx), (eager, eager_ids, eager_ctx) = runs
+    assert ids == eager_ids
+    assert ctx == eager_ctx  # the context length at every drafting round: the committed prefix's
+    assert [[len(c) for c in row] for row in deferred] == [[len(c) for c in row] for row in eager]
+    for row_d, row_e in zip(deferred, eager):
+        for c_d, c_e in zip(row_d, row_e):
+            assert c_d == pytest.approx(c_e, abs=1e-3)

@@ -65,6 +65,11 @@ def test_record_fields_and_counts(target, tmp_path):
         by_batch.setdefault(r["batch_id"], []).append(r)
     for rs in by_batch.values():
         assert sum(r["generated_tokens"] for r in rs) == rs[0]["batch_generated_tokens"]
+    # ... and the same batch of two policies differs only in the trailing policy name, which is
+    # how the stats pair batches for the throughput ratio (stats.py::paired_throughput)
+    assert all(r["batch_id"].endswith("|" + r["policy"]) for r in recs)
+    stems = {p: {r["batch_id"].rsplit("|", 1)[0] for r in recs if r["policy"] == p} for p in ("ar", "pld")}
+    assert stems["ar"] == stems["pld"] and len(stems["ar"]) == 3
     # greedy pld == ar on the same prompts
     ar = {r["prompt_id"]: r["output_ids"] for r in recs if r["policy"] == "ar"}
     assert all(r["output_ids"] == ar[r["prompt_id"]] for r in recs if r["policy"] == "pld")

@@ -272,3 +272,26 @@ def test_load_results_malformed_line_names_file_and_line(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no \\*.jsonl"):
         stats.load_results(tmp_path / "empty")
+
+
+def test_paired_throughput_ratio_pairs_batches_by_id_up_to_the_policy():
+    """The throughput ratio pairs each policy batch with the baseline batch of the same id (up to
+    the policy name): its geometric mean is the mean log of those per-batch rate ratios, n is
+    batches, and a batch the baseline lacks is not paired."""
+    recs = make_records(workloads={"mix": ["code"]}, policies=("ar", "pld"), batch_sizes=(4,), n_prompts=16, seed=9)
+    df = frame(recs)
+    d = df[df["policy"] == "pld"].drop_duplicates("batch_id")
+    base = df[df["policy"] == "ar"].drop_duplicates("batch_id")
+    assert all(i.endswith("|pld") for i in d["batch_id"])  # the id format the pairing relies on
+    rate = lambda t: dict(zip(t["batch_id"].str.rsplit("|", n=1).str[0], t["batch_generated_tokens"] / t["batch_wall_s"]))
+    a, b = rate(d), rate(base)
+    want = math.exp(np.mean([math.log(a[k] / b[k]) for k in a]))
+    r = stats.summarize(df, n_resamples=300).query("policy == 'pld'").iloc[0]
+    assert r["n_batch_pairs"] == len(a) == 4
+    assert r["throughput_ratio"] == pytest.approx(want)
+    assert r["throughput_ratio_ci_low"] <= r["throughput_ratio"] <= r["throughput_ratio_ci_high"]
+    # The baseline's own row is 1 by definition; drop one baseline batch: one pair fewer.
+    assert stats.summarize(df, n_resamples=300).query("policy == 'ar'").iloc[0]["throughput_ratio"] == 1.0
+    first = base["batch_id"].iloc[0]
+    fewer = stats.summarize(df[df["batch_id"] != first], n_resamples=300).query("policy == 'pld'").iloc[0]
+    assert fewer["n_batch_pairs"] == 3

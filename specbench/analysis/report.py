@@ -399,6 +399,9 @@ def summary_table(summary: pd.DataFrame, with_category: bool = False) -> pd.Data
             "Accept rate [95% CI]": "" if base else _fmt_ci(r["acceptance_rate"], r["acceptance_ci_low"], r["acceptance_ci_high"]),
             "tok/s/user median [95% CI]": _fmt_ci(r["tps_median"], r["tps_ci_low"], r["tps_ci_high"], nd=1),
             "Throughput tok/s": _fmt(r["throughput"], 1),
+            "Throughput vs baseline [95% CI] (batches)": "" if base else (
+                _fmt_ci(r["throughput_ratio"], r["throughput_ratio_ci_low"], r["throughput_ratio_ci_high"], suffix="×")
+                + (f" ({int(r['n_batch_pairs'])})" if pd.notna(r["n_batch_pairs"]) else "")),
             "Note": "" if r["note"] == "baseline" else (r["note"] or ""),
         })
         rows.append(row)

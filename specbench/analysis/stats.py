@@ -30,6 +30,11 @@ Conventions (the report and the README quote these):
   acceptance rate = Σaccepted / Σdrafted (CI: bootstrap over prompts of the ratio of sums).
   per-user tokens/s = median over prompts (percentile-bootstrap CI).
   throughput = Σ batch_generated_tokens / Σ batch_wall_s over the cell's unique batch_id.
+  **Throughput ratio** against the baseline = geometric mean over paired batches (the same
+  workload, batch size, temperature, seed, repeat, batch index and turn: the batch_id up to its
+  policy) of (tokens / wall)_policy / (tokens / wall)_baseline, with a bootstrap CI on the mean
+  log ratio (percentile); n_batch_pairs is its n. The rows of a batch share one wall time, so at
+  b > 1 this, not the per-request speedup, is the load test, and its n is batches, not prompts.
 * Cells with n < 2, or whose values are all identical, get NaN CIs and a ``note``.
 * **Too few prompts to test**: the exact two-sided Wilcoxon p of n pairs is at least 2 / 2^n (all
   differences of one sign), and Holm multiplies the smallest p of the family by the number m of
@@ -423,6 +428,32 @@ def _throughput(d: pd.DataFrame) -> tuple[float, int]:
     return float(b["batch_generated_tokens"].astype(float).sum() / wall), len(b)
 
 
+def _batch_rates(d: pd.DataFrame) -> pd.Series:
+    """tokens / wall of each batch, indexed by its batch_id without the trailing policy name."""
+    if not {"batch_id", "batch_wall_s", "batch_generated_tokens"} <= set(d.columns):
+        return pd.Series(dtype=float)
+    b = d.dropna(subset=["batch_id"]).drop_duplicates(subset=["batch_id"])
+    keys, rates = [], []
+    for batch_id, policy, tokens, wall in zip(b["batch_id"].astype(str), b["policy"].astype(str),
+                                              b["batch_generated_tokens"].astype(float), b["batch_wall_s"].astype(float)):
+        if batch_id.endswith("|" + policy) and wall > 0:
+            keys.append(batch_id[: -len(policy) - 1])
+            rates.append(tokens / wall)
+    return pd.Series(rates, index=keys, dtype=float)
+
+
+def paired_throughput(d: pd.DataFrame, base: pd.DataFrame, n_resamples: int = DEFAULT_RESAMPLES,
+                      seed: int = DEFAULT_SEED) -> tuple[float, float, float, int]:
+    """(ratio, ci_low, ci_high, n_batch_pairs) of one policy's cell against the baseline's (module docstring)."""
+    a, b = _batch_rates(d), _batch_rates(base)
+    common = a.index.intersection(b.index)
+    if len(common) == 0:
+        return float("nan"), float("nan"), float("nan"), 0
+    ratios = (a[common] / b[common]).to_numpy(dtype=float)
+    gm, lo, hi, _ = gmean_ci(ratios, n_resamples=n_resamples, seed=seed, method="percentile")
+    return gm, lo, hi, len(common)
+
+
 def stalled_requests(df: pd.DataFrame, cols: Sequence[str] = CELL) -> pd.Series:
     """Per record: decode time per verify round (per generated token where rounds are not
     recorded) divided by its cell's median (cell = ``cols`` + policy); a ratio above
@@ -498,7 +529,8 @@ def summarize(
     p_holm, significant (p_holm < 0.05), median_log_speedup, rank_biserial,
     speedup_ratio_of_means (Spec-Bench), speedup_time_weighted, tau (mean) with
     tau_ci_low/high, tau_pooled, acceptance_rate with acceptance_ci_low/high,
-    tps_median with tps_ci_low/high, ttft_median_s, throughput, n_batches, note.
+    tps_median with tps_ci_low/high, ttft_median_s, throughput, n_batches, throughput_ratio with
+    throughput_ratio_ci_low/high and n_batch_pairs (paired batches against the baseline), note.
     """
     cols = _cell_cols(by_category, by)
     missing = [c for c in cols + ["policy"] if c not in df.columns]
@@ -555,6 +587,12 @@ def summarize(
         if "ttft_s" in d:
             row["ttft_median_s"] = float(d["ttft_s"].astype(float).median())
         row["throughput"], row["n_batches"] = _throughput(d)
+        if pol == baseline:
+            row["throughput_ratio"] = 1.0
+        else:
+            base_cell = df[(df["policy"] == baseline) & np.logical_and.reduce([(df[c] == cell[c]).to_numpy() for c in cols])]
+            (row["throughput_ratio"], row["throughput_ratio_ci_low"], row["throughput_ratio_ci_high"],
+             row["n_batch_pairs"]) = paired_throughput(d, base_cell, n_resamples, seed)
         row["stalled"] = int((stall[d.index] > STALL_FACTOR).sum())
         notes.append(stall_note(stall[d.index], prompts=d["prompt_id"]))
         if pol != baseline:  # the paired speedup divides by the baseline's timings too
@@ -570,7 +608,7 @@ def summarize(
         "median_log_speedup", "rank_biserial", "speedup_ratio_of_means", "speedup_time_weighted",
         "tau", "tau_ci_low", "tau_ci_high", "tau_pooled", "acceptance_rate", "acceptance_ci_low",
         "acceptance_ci_high", "tps_median", "tps_ci_low", "tps_ci_high", "ttft_median_s", "throughput",
-        "n_batches", "too_few", "n_needed", "stalled", "timing_suspect", "rounds_traced", "gate_skipped", "note",
+        "n_batches", "throughput_ratio", "throughput_ratio_ci_low", "throughput_ratio_ci_high", "n_batch_pairs", "too_few", "n_needed", "stalled", "timing_suspect", "rounds_traced", "gate_skipped", "note",
     ]
     out = pd.DataFrame(rows)
     for c in order:

@@ -549,7 +549,8 @@ def sweep_summary(records_file: Path) -> str:
     df = load_results(records_file)
     s = summarize(df)
     cols = [c for c in ("workload", "batch_size", "temperature", "policy", "n", "speedup", "speedup_ci_low",
-                        "speedup_ci_high", "p_holm", "tau", "acceptance_rate", "tps_median", "throughput")
+                        "speedup_ci_high", "p_holm", "tau", "acceptance_rate", "tps_median", "throughput",
+                        "throughput_ratio", "throughput_ratio_ci_low", "throughput_ratio_ci_high", "n_batch_pairs")
             if c in s.columns]
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         table = s[cols].to_string(index=False, float_format=lambda x: f"{x:.3g}")

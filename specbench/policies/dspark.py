@@ -27,6 +27,9 @@ batch of the same size ended with: where drafting does not pay at a load, each b
 one or two probes instead of six in 64 rounds (what kept `dspark` 5.7% below AR at b = 16 on chat,
 docs/performance.md). The decision uses confidences of earlier rounds only, never the current drafts,
 so it is lossless for the same reason as the production variant's stale capacity (docs/dspark.md §4.6, §4.4).
+While rounds are skipped, their target features wait and join the draft context in one append
+when drafting resumes (only a drafted round reads the context): a skipped round then costs what
+an `ar` step costs, plus keeping the features.
 """
 from __future__ import annotations
 
@@ -105,6 +108,9 @@ class DSpark(Policy):
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
+        # Target features of rounds the draft gate skipped, not yet in the draft context: only a drafted
+        # round reads the context, so they are appended in one call when drafting resumes (_flush_context).
+        self.pending_context: list[tuple[Tensor, Tensor]] = []
         # The batch's temperature is fixed for its life: pick its STS fit and move it once, not per round.
         self.batch_sts = self.sts_temperatures(state.temperature)[: self.gamma].to(state.tokens.device)
         if self.gate is not None:
@@ -114,6 +120,7 @@ class DSpark(Policy):
     def propose(self, state: BatchState) -> Draft | None:
         if self.gate is not None and self.gate.skip():  # a plain decode step (the core verifies nothing)
             return None
+        self._flush_context()
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
         tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p,
                                                                   state.generator, with_probs=state.temperature > 0)
@@ -177,8 +184,30 @@ class DSpark(Policy):
         # The anchor and the accepted drafts are now committed: their target features join the context.
         counts = (accepted + 1) * state.active
         width = int(counts.max()) if len(counts) else 0
-        if width:
-            self.draft_model.append_context(verify_features[:, :width].to(self.draft_model.dtype), counts=counts)
+        if not width:
+            return
+        features = verify_features[:, :width].to(self.draft_model.dtype)
+        if self.gate is None:
+            self.draft_model.append_context(features, counts=counts)
+        else:  # a copy: a graphed forward's outputs are overwritten by the next round
+            self.pending_context.append((features.clone(), counts.clone()))
+
+    def _flush_context(self) -> None:
+        """Append the pending rounds' features to the draft context in one call. Each row's valid
+        entries (its first counts[r] of every round) are packed to the left in round order, so every
+        entry lands in the slot, at the position, that a per-round append gives it: the context
+        K/V depend only on the feature and its position, so the drafts are the same."""
+        if not self.pending_context:
+            return
+        pending, self.pending_context = self.pending_context, []
+        if len(pending) == 1:
+            self.draft_model.append_context(pending[0][0], counts=pending[0][1])
+            return
+        features = torch.cat([f for f, _ in pending], dim=1)
+        valid = torch.cat([torch.arange(f.shape[1], device=f.device)[None] < c[:, None] for f, c in pending], dim=1)
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid entries first, in order
+        features = features.gather(1, order[..., None].expand_as(features))
+        self.draft_model.append_context(features, counts=valid.sum(dim=1))
 
 
 def rounds_per_second(step_seconds, draft_seconds, b: int, n: int):
