@@ -274,3 +274,25 @@ def test_draft_gate_defers_context_without_changing_drafts(target):
     for row_d, row_e in zip(deferred, eager):
         for c_d, c_e in zip(row_d, row_e):
             assert c_d == pytest.approx(c_e, abs=1e-3)
+
+
+def test_draft_gate_judges_by_what_the_scheduler_admits():
+    """In a padded verify the first admitted draft costs every row a slot, so Algorithm 1's early stop
+    admits nothing where only a whole column of drafts would pay. The gate must judge drafting by
+    what the scheduler would verify (skip), not by the global optimum the early stop never reaches
+    (what kept DSpark probing at b = 16); the capacity variant, which searches the whole path, drafts."""
+    from specbench.policies.dspark import DraftGate
+
+    step = lambda rows, q: 0.01 + 0.004 * rows * q  # noqa: E731
+    conf, active = torch.full((4, 3), 0.9), torch.ones(4, dtype=torch.bool)
+    for early_stop, skips in ((True, True), (False, False)):
+        gate = DraftGate(3, step, lambda rows: 0.0, early_stop=early_stop)
+        gate.reset()
+        gate.update(conf, active)
+        assert gate.skip() is skips, early_stop
+    assert policy_gate("algorithm1").early_stop and not policy_gate("capacity").early_stop
+
+
+def policy_gate(scheduler):
+    drafter = make_drafter(tiny_model(vocab=VOCAB, seed=0), seed=1)
+    return DSpark(drafter, scheduler=scheduler, step_seconds=linear_cost, draft_gate=True).gate

@@ -19,8 +19,9 @@ the paper's step always runs the drafter, and Algorithm 1 can only cut the verif
 device where one drafting round costs a good part of a target step (a 135M target on a CPU:
 γ slots through the 49k-vocabulary head), that floor alone keeps DSpark below AR at high load.
 So after every drafted round the policy asks, with that round's confidences and the same cost
-profile, whether drafting paid: max over Algorithm 1's admission path of
-E[tokens] / (draft(b) + step(b, 1 + max ℓ)) against rows / step(b, 1). If not, the next rounds
+profile, whether drafting paid: for the lengths ℓ the scheduler would verify (Algorithm 1 with its
+early stop; the capacity variant's whole path), E[tokens] / (draft(b) + step(b, 1 + max ℓ)) against
+rows / step(b, 1). If not, the next rounds
 skip the drafter (plain decode steps, ℓ = 0 for every row) and probe again after 1, 2, 4 … 64
 skipped rounds. A new batch probes at once, but starts from the back-off that the policy's last
 batch of the same size ended with: where drafting does not pay at a load, each batch then pays for
@@ -88,7 +89,8 @@ class DSpark(Policy):
             raise ValueError("draft_gate needs a cost profile")
         # The draft gate (module docstring): one object, driven the same way by propose() here and
         # by the concurrency simulator (specbench/analysis/simulate.py) on replayed confidences.
-        self.gate = DraftGate(self.gamma, step_seconds, self.draft_seconds) if draft_gate else None
+        self.gate = (DraftGate(self.gamma, step_seconds, self.draft_seconds, early_stop=scheduler != "capacity")
+                     if draft_gate else None)
 
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
@@ -222,8 +224,11 @@ class DraftGate:
     the caller asks `skip()` first; after a drafted round it hands that round's confidences to
     `update()`, which decides from them (never from the current drafts) whether drafting paid."""
 
-    def __init__(self, gamma: int, step_seconds, draft_seconds):
+    def __init__(self, gamma: int, step_seconds, draft_seconds, early_stop: bool = True):
         self.gamma, self.step_seconds, self.draft_seconds = gamma, step_seconds, draft_seconds
+        # Judge drafting by the lengths the policy's scheduler would verify: Algorithm 1 stops at its
+        # first non-improvement (early_stop), the capacity variant searches the whole path.
+        self.early_stop = early_stop
         self.backoff_by_rows: dict[int, int] = {}  # batch size -> the back-off its last batch ended with
         self.reset()
 
@@ -250,7 +255,9 @@ class DraftGate:
         conf = confidence[active]
         lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=conf.device)
         sps = rounds_per_second(self.step_seconds, self.draft_seconds, b, rows)
-        best = algorithm1_lengths(conf, lengths, sps, early_stop=False, padded=True)
+        # What the scheduler itself would admit: with Algorithm 1, a global optimum past the first
+        # non-improvement is one the lossless scheduler never reaches, so drafting for it pays nothing.
+        best = algorithm1_lengths(conf, lengths, sps, early_stop=self.early_stop, padded=True)
         survival = conf.float().clamp(0, 1).cumprod(-1)
         expected = rows + float((survival * (torch.arange(self.gamma, device=conf.device)[None] < best[:, None])).sum())
         with_draft = expected / (self.draft_seconds(b) + self.step_seconds(b, 1 + int(best.max())))
