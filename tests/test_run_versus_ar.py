@@ -52,3 +52,20 @@ def test_a_run_that_paid_does_not_say_drafting_does_not_pay():
     verdict = text.splitlines()[-1]
     assert "dspark paid here" in verdict and "the draft gate skipped 10% of rounds" in verdict
     assert "does not pay" not in verdict and "would not pay at the acceptance seen so far" in verdict
+
+
+def test_batched_run_reports_throughput_over_paired_batches():
+    """At b > 1 the run also prints the throughput ratio over paired batches, with its n, and says
+    when there are too few batches to decide."""
+    recs = []
+    for policy, wall in (("dspark", 2.0), ("ar", 2.5)):
+        for i, r in enumerate(_records(policy, 20.0, 1.0, n=8, seed=len(policy))):
+            batch = i // 4
+            recs.append({**r, "batch_size": 4, "batch_id": f"code|b4|t0|s0|r0|batch{batch}|turn0|{policy}",
+                         "batch_wall_s": wall + 0.1 * batch, "batch_generated_tokens": 4 * 49})
+    text = versus_ar(recs, "dspark")
+    line = next(x for x in text.splitlines() if x.strip().startswith("throughput"))
+    assert "n = 2 paired batches" in line and "too few to decide" in line
+    want = np.exp(np.mean([np.log((2.5 + 0.1 * b) / (2.0 + 0.1 * b)) for b in (0, 1)]))
+    assert f"{want:.2f}x ar's" in line
+    assert not any(x.strip().startswith("throughput") for x in versus_ar(_records("dspark", 30.0, 2.6) + _records("ar", 20.0, 1.0), "dspark").splitlines())

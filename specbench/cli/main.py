@@ -379,6 +379,12 @@ def versus_ar(recs: list[dict], policy: str) -> str:
     ci = f"[{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) and math.isfinite(hi) else "[no CI]"
     lines = [f"  vs ar         {ratio:.2f}x per-user tokens/s {ci} (95% CI, n = {n} paired requests); "
              f"tau {taus[policy]:.2f} vs {taus['ar']:.2f}"]
+    if int(df["batch_size"].max()) > 1:  # under load the batch, not the request, is the unit: its rows share one wall time
+        t, t_lo, t_hi, n_b = stats.paired_throughput(df[df["policy"] == policy], df[df["policy"] == "ar"])
+        if n_b:
+            t_ci = f"[{t_lo:.2f}, {t_hi:.2f}]" if math.isfinite(t_lo) and math.isfinite(t_hi) else "[no CI]"
+            lines.append(f"  throughput    {t:.2f}x ar's {t_ci} (95% CI, n = {n_b} paired batches"
+                         + ("; too few to decide: --limit N or --all" if n_b < 6 else "") + ")")
     if math.isfinite(lo) and lo > 1:
         verdict = f"{policy} paid here: faster than ar, the whole interval above 1"
     elif math.isfinite(hi) and hi < 1:
