@@ -587,16 +587,16 @@ def summarize(
         if "ttft_s" in d:
             row["ttft_median_s"] = float(d["ttft_s"].astype(float).median())
         row["throughput"], row["n_batches"] = _throughput(d)
-        if pol == baseline:
+        base = None if pol == baseline else df[
+            (df["policy"] == baseline) & np.logical_and.reduce([(df[c] == cell[c]).to_numpy() for c in cols])]
+        if base is None:
             row["throughput_ratio"] = 1.0
         else:
-            base_cell = df[(df["policy"] == baseline) & np.logical_and.reduce([(df[c] == cell[c]).to_numpy() for c in cols])]
             (row["throughput_ratio"], row["throughput_ratio_ci_low"], row["throughput_ratio_ci_high"],
-             row["n_batch_pairs"]) = paired_throughput(d, base_cell, n_resamples, seed)
+             row["n_batch_pairs"]) = paired_throughput(d, base, n_resamples, seed)
         row["stalled"] = int((stall[d.index] > STALL_FACTOR).sum())
         notes.append(stall_note(stall[d.index], prompts=d["prompt_id"]))
-        if pol != baseline:  # the paired speedup divides by the baseline's timings too
-            base = df[(df["policy"] == baseline) & np.logical_and.reduce([(df[c] == cell[c]).to_numpy() for c in cols])]
+        if base is not None:  # the paired speedup divides by the baseline's timings too
             notes.append(stall_note(stall[base.index], f"{baseline}: ", base["prompt_id"]))
         row["timing_suspect"] = any(n and "stalled" in n for n in notes)
         row["rounds_traced"], row["gate_skipped"] = gate_counts(d)
