@@ -100,8 +100,9 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(dim, monkeypa
     the property that keeps a greedy speculative policy token-identical to AR in bf16 at b = 1."""
     model = tiny_model(vocab=96, dim=dim, layers=2, dtype=torch.bfloat16)
     calls = []
-    attend = cpu_kernels.attend
+    attend, layers = cpu_kernels.attend, cpu_kernels.decoder_layers
     monkeypatch.setattr(cpu_kernels, "attend", lambda *a: calls.append(a[0].shape) or attend(*a))
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape) or layers(*a))
     prefix = torch.randint(0, 96, (1, 11))
     new = torch.randint(0, 96, (1, cpu_kernels.MAX_ROWS_AVX512))
 
@@ -116,7 +117,7 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(dim, monkeypa
         steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], torch.full((1,), 11 + i, dtype=torch.long))[0]
                            for i in range(new.shape[1])], dim=1)
     assert torch.equal(together, steps)
-    assert bool(calls) == (dim == 256)  # the kernel took the verify and the steps where it applies
+    assert bool(calls) == (dim == 256)  # the kernels took the verify and the steps where they apply
 
 
 def _attention_reference(xq, k_cache, v_cache, mask):
@@ -221,3 +222,63 @@ def test_a_forward_with_the_kernels_is_torchs_to_bf16_rounding():
     fused, reference = logits(), _torch_routes(logits)
     assert (fused - reference).abs().max() <= 0.05 * reference.abs().max()
     assert (fused.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("b, q", [(1, 1), (1, 8), (2, 3), (8, 1)])
+def test_all_layers_in_one_call_give_the_bits_of_the_per_module_path(b, q, monkeypatch):
+    """model.FUSED_LAYERS: cpu_kernels.decoder_layers runs every layer in one call. Logits, taps,
+    the final hidden state and every K/V-cache entry must be bit-identical to DecoderLayer.forward's
+    kernel routes, or greedy identity between policies would hang on which path a forward took."""
+    from specbench.engine import model as model_module
+
+    model = tiny_model(vocab=96, dim=256, layers=3, dtype=torch.bfloat16)  # head size 64: attention kernel
+    prefix = torch.randint(0, 96, (b, 9))
+    new = torch.randint(0, 96, (b, q))
+    lengths = torch.tensor([9 - (r % 3) for r in range(b)])  # ragged rows
+    calls = []
+    layers = cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape) or layers(*a))
+
+    def run(fused: bool):
+        monkeypatch.setattr(model_module, "FUSED_LAYERS", fused)
+        with torch.inference_mode():
+            model.setup_cache(b, 64)
+            for layer in model.model.layers:
+                layer.self_attn.k_cache.zero_()
+                layer.self_attn.v_cache.zero_()
+            forward_new_tokens(model, prefix, torch.zeros(b, dtype=torch.long))
+            out = forward_new_tokens(model, new, lengths, taps=(2, 0))
+            caches = [t.clone() for layer in model.model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+        return out, caches
+
+    (logits, taps, hidden), caches = run(True)
+    assert len(calls) == 1 + (b * 9 <= cpu_kernels.max_rows())  # the forward over new tokens; the prefill where it fits
+    (ref_logits, ref_taps, ref_hidden), ref_caches = run(False)
+    assert len(calls) == 1 + (b * 9 <= cpu_kernels.max_rows())  # the per-module path never calls it
+    assert torch.equal(logits, ref_logits) and torch.equal(taps, ref_taps) and torch.equal(hidden, ref_hidden)
+    assert taps.shape[-1] == 2 * 256
+    assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches))
+
+
+def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(monkeypatch):
+    """Too many rows for the GEMV, fp32, or one layer's stale pack: the per-module path runs."""
+    model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
+    calls = []
+    layers = cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(1) or layers(*a))
+    with torch.inference_mode():
+        model.setup_cache(1, 128)
+        forward_new_tokens(model, torch.randint(0, 96, (1, cpu_kernels.max_rows() + 1)), torch.zeros(1, dtype=torch.long))
+        assert not calls
+        forward_new_tokens(model, torch.randint(0, 96, (1, 1)), torch.zeros(1, dtype=torch.long))
+        assert len(calls) == 1
+    with torch.no_grad():  # an in-place write makes layer 1's MLP packs stale
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.0)
+    with torch.inference_mode():
+        forward_new_tokens(model, torch.randint(0, 96, (1, 1)), torch.zeros(1, dtype=torch.long))
+    assert len(calls) == 1
+    fp32 = tiny_model(vocab=96, dim=256, layers=2)
+    with torch.inference_mode():
+        fp32.setup_cache(1, 16)
+        forward_new_tokens(fp32, torch.randint(0, 96, (1, 1)), torch.zeros(1, dtype=torch.long))
+    assert len(calls) == 1

@@ -546,6 +546,45 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   });
   return out;
 }
+
+// 5. decoder_layers_bf16: model.py's DecoderLayer.forward for every layer in one call, on the packed
+// routes above, in the same order with the same kernels, so its bits are those of the per-module path
+// (tests/test_cpu_kernels.py). Why: a b = 1 step is ~270 of these calls, and the Python between them
+// (module calls, route checks, views) cost ~4.5 ms a step against ~11 ms of kernel time on a 2-core
+// EPYC (docs/performance.md "Session 11"). Per layer: h = norm(x); qkv = h·Wqkvᵀ; rope + cache write;
+// attend; delta = ·Woᵀ; (x, h) = (x + delta, norm(x + delta)); x = x + down(silu(gate) · up).
+// Returns the last layer's output and the outputs of the layers in `taps` (in increasing order).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return gemv_bf16(x.reshape({-1, x.size(-1)}).contiguous(), packed, n).view(shape);
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bf16(
+    at::Tensor x, at::TensorList input_norms, at::TensorList qkv, at::TensorList o, at::TensorList post_norms,
+    at::TensorList gate_up, at::TensorList down, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& mask, double eps, int64_t nh, int64_t nkv, int64_t hd,
+    int64_t intermediate, at::IntArrayRef taps) {
+  const size_t n_layers = input_norms.size();
+  for (at::TensorList list : {qkv, o, post_norms, gate_up, down, k_caches, v_caches})
+    TORCH_CHECK(list.size() == n_layers, "decoder_layers_bf16: one tensor per layer in every list");
+  const int64_t dim = x.size(-1), qkv_width = (nh + 2 * nkv) * hd;
+  std::vector<at::Tensor> tapped;
+  size_t next_tap = 0;
+  for (size_t i = 0; i < n_layers; ++i) {
+    at::Tensor h = rms_norm_bf16(x, input_norms[i], eps);
+    at::Tensor xq = qkv_rope_cache_bf16(linear_rows(h, qkv[i], qkv_width), cos, sin, slots, k_caches[i], v_caches[i],
+                                        nh, nkv, hd);
+    at::Tensor delta = linear_rows(attend_bf16(xq, k_caches[i], v_caches[i], mask), o[i], dim);
+    std::tie(x, h) = add_rms_norm_bf16(x, delta, post_norms[i], eps);
+    x = x.add(linear_rows(silu_mul_bf16(linear_rows(h, gate_up[i], 2 * intermediate)), down[i], dim));
+    if (next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i)) {
+      tapped.push_back(x);
+      ++next_tap;
+    }
+  }
+  return {x, tapped};
+}
 }  // namespace
 
 TORCH_LIBRARY(specbench_cpu, m) {
@@ -557,6 +596,9 @@ TORCH_LIBRARY(specbench_cpu, m) {
         "int nh, int nkv, int hd) -> Tensor");
   m.def("attend_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask) -> Tensor");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("decoder_layers_bf16(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor[] o, Tensor[] post_norms, "
+        "Tensor[] gate_up, Tensor[] down, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
+        "Tensor slots, Tensor mask, float eps, int nh, int nkv, int hd, int intermediate, int[] taps) -> (Tensor, Tensor[])");
 }
 TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("gemv_bf16", gemv_bf16);
@@ -565,4 +607,5 @@ TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("qkv_rope_cache_bf16", qkv_rope_cache_bf16);
   m.impl("attend_bf16", attend_bf16);
   m.impl("silu_mul_bf16", silu_mul_bf16);
+  m.impl("decoder_layers_bf16", decoder_layers_bf16);
 }

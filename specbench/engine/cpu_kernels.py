@@ -155,3 +155,15 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) · up for gate_up = [..., gate | up] (MLP.pack_gate_up's product), with torch's
     roundings: bf16(bf16(silu(gate)) · up), silu in fp32."""
     return torch.ops.specbench_cpu.silu_mul_bf16(gate_up)
+
+
+def decoder_layers(x: Tensor, input_norms, qkv, o, post_norms, gate_up, down, k_caches, v_caches, cos: Tensor,
+                   sin: Tensor, slots: Tensor, mask: Tensor, eps: float, n_heads: int, n_kv_heads: int, head_dim: int,
+                   intermediate: int, taps: list[int]) -> tuple[Tensor, list[Tensor]]:
+    """Every decoder layer in one call (cpu_kernels.cpp: decoder_layers_bf16), with the bits of
+    model.DecoderLayer's kernel routes: lists hold one tensor per layer (norm weights, the packed
+    q|k|v, o, gate|up and down weights, the caches). Returns the last layer's output and the
+    outputs of the layers in `taps` (sorted)."""
+    return torch.ops.specbench_cpu.decoder_layers_bf16(x, input_norms, qkv, o, post_norms, gate_up, down, k_caches,
+                                                       v_caches, cos, sin, slots, mask, eps, n_heads, n_kv_heads,
+                                                       head_dim, intermediate, taps)

@@ -100,6 +100,10 @@ def _rope_scaling(c: dict) -> dict | None:
 # Fold each KV group's query heads into the query axis (see Attention.forward). Benchmarks switch it
 # off to measure the plain path; both compute the same attention.
 FOLD_GQA_HEADS = True
+# Where every layer of a forward takes the bf16 CPU kernels, run them all in one call
+# (cpu_kernels.decoder_layers: the same kernels in the same order, without Python between them).
+# Tests and benchmarks switch it off to compare with the per-module path.
+FUSED_LAYERS = True
 
 
 class Packs(NamedTuple):
@@ -487,6 +491,38 @@ class Transformer(nn.Module):
             for cache in (attn.k_cache, attn.v_cache):
                 cache[rows, :, dst_slots] = cache[rows, :, src_slots]
 
+    def _kernel_stack(self, x: Tensor, mask: Tensor) -> tuple[list[Tensor], ...] | None:
+        """The per-layer tensors of cpu_kernels.decoder_layers, or None unless every layer would
+        take the kernel route at every op in DecoderLayer.forward (the same checks, so both paths
+        compute the same bits): bf16 on a CPU, no gradient, packs fresh, no biases or q/k norms,
+        few enough rows for the GEMV and tokens for the attention kernel."""
+        a = self.args
+        b, q, _ = x.shape
+        if a.attention_bias or a.qk_norm or not cpu_kernels.applies(x) or b * q > cpu_kernels.max_rows():
+            return None
+        probe = x.new_empty(b, a.n_heads, q, a.head_dim)  # the shape attend sees
+        lists = tuple([] for _ in range(8))
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (attn._packed() and mlp._packed()):
+                return None
+            packs = (fresh_pack(attn.qkv_weight, attn.qkv_gemm_pack), fresh_pack(attn.o_proj.weight, attn.o_proj.gemm_pack),
+                     fresh_pack(mlp.gate_up_weight, mlp.gate_up_gemm_pack),
+                     fresh_pack(mlp.down_proj.weight, mlp.down_proj.gemm_pack))
+            if any(p is None or p.gemv is None for p in packs) or attn.qkv_bias is not None:
+                return None
+            if not (cpu_kernels.applies(layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+                    and cpu_kernels.attend_applies(probe, attn.k_cache, attn.v_cache, mask)):
+                return None
+            for out, t in zip(lists, (layer.input_layernorm.weight, packs[0].gemv, packs[1].gemv,
+                                      layer.post_attention_layernorm.weight, packs[2].gemv, packs[3].gemv,
+                                      attn.k_cache, attn.v_cache)):
+                out.append(t)
+        for k in (a.dim, a.n_heads * a.head_dim, a.intermediate_size):  # gemv_applies' rule for K
+            if k % 2 or (k % 32 and b * q > cpu_kernels.MAX_ROWS_AVX512):
+                return None
+        return lists
+
     def forward(
         self,
         tokens: Tensor,
@@ -508,10 +544,16 @@ class Transformer(nn.Module):
         a = self.args
         folded_mask = fold_mask(mask, a.n_heads // a.n_kv_heads) if FOLD_GQA_HEADS else None
         tapped = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, slots, mask, folded_mask)
-            if i in taps:
-                tapped.append(x)
+        stack = self._kernel_stack(x, mask) if FUSED_LAYERS else None
+        if stack is not None:  # bf16 on a CPU, a decode or verify forward: every layer in one call
+            x, tapped = cpu_kernels.decoder_layers(x, *stack, cos, sin, slots, mask, a.norm_eps, a.n_heads,
+                                                   a.n_kv_heads, a.head_dim, a.intermediate_size,
+                                                   sorted(t for t in set(taps) if 0 <= t < a.n_layers))
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, slots, mask, folded_mask)
+                if i in taps:
+                    tapped.append(x)
         hidden = self.model.norm(x)
         out = self.lm_head(hidden) if logits else None
         return out, (torch.cat(tapped, dim=-1) if taps else None), hidden
