@@ -282,3 +282,48 @@ def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(m
         fp32.setup_cache(1, 16)
         forward_new_tokens(fp32, torch.randint(0, 96, (1, 1)), torch.zeros(1, dtype=torch.long))
     assert len(calls) == 1
+
+
+def test_a_drafters_block_pass_in_one_call_is_the_sdpa_path_to_bf16_rounding(monkeypatch):
+    """dspark.FUSED_BLOCK: a DSpark block pass on the kernels (the block's K/V written after each
+    row's context, visible to the whole block) computes the SDPA path's function: hidden states
+    to bf16 rounding, the same greedy drafts, the context part of the cache left as it was, and a
+    later append and block pass unaffected by the scratch entries."""
+    from specbench.drafters import dspark
+    from specbench.drafters.dspark import DSparkArgs, build_drafter
+
+    target = tiny_model(vocab=96, dim=256, layers=3, dtype=torch.bfloat16)  # head size 64
+    args = DSparkArgs.for_target(target.args, tap_layers=[0, 1, 2], n_layers=2, block_size=4, markov_rank=8)
+    drafter = build_drafter(args, target).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_((1 + 0.1 * torch.randn(p.shape, generator=g)) if p.dim() == 1 and p.shape[0] == 256
+                    else 0.2 * torch.randn(p.shape, generator=g))
+    calls = []
+    layers = cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(1) or layers(*a))
+    feats = torch.randn(2, 12, 3 * 256, generator=g).bfloat16()
+    anchors = torch.tensor([7, 42])
+
+    def two_rounds(fused: bool):
+        monkeypatch.setattr(dspark, "FUSED_BLOCK", fused)
+        with torch.inference_mode():
+            drafter.setup_cache(2, 32)
+            drafter.append_context(feats, torch.tensor([12, 9]))
+            context = [c[:, :, :9].clone() for c in drafter.k_cache + drafter.v_cache]
+            h1 = drafter.block_hidden(anchors)
+            tokens1 = drafter.draft_block(anchors, None, temperature=0.0)[0]
+            unchanged = all(torch.equal(c[:, :, :9], ref) for c, ref in zip(drafter.k_cache + drafter.v_cache, context))
+            drafter.append_context(feats[:, :3], torch.tensor([2, 3]))
+            h2 = drafter.block_hidden(anchors)
+        return h1.float(), h2.float(), tokens1, unchanged
+
+    fused = two_rounds(True)
+    assert len(calls) == 3  # two block passes and the draft
+    reference = two_rounds(False)
+    assert len(calls) == 3
+    assert fused[3] and reference[3]
+    for h, ref in zip(fused[:2], reference[:2]):
+        assert (h - ref).abs().max() <= 0.03 * ref.abs().max()
+    assert (fused[2] == reference[2]).float().mean() >= 0.75

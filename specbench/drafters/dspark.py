@@ -48,11 +48,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
+from specbench.engine import cpu_kernels
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
                                     pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
+# bf16 on a CPU: a block pass runs every draft layer in one kernel call (DSparkDrafter.block_hidden).
+# Tests switch it off to compare with the SDPA path.
+FUSED_BLOCK = True
 
 
 @dataclass
@@ -208,9 +212,12 @@ class DSparkDrafter(nn.Module):
         else:
             self.vocab_ids = None
         self._draft_head: tuple | None = None  # (cache key, lm_head rows of vocab_ids)
+        self._layer_packs: tuple | None = None  # (cache key, per-layer packs for cpu_kernels.decoder_layers)
         self.set_frozen(embed_weight, lm_head_weight)
-        # Inference state (setup_cache): per layer context K/V [max_batch, nkv, max_ctx + 1, hd]
-        # (the extra slot is a write-only sink for padding entries), and per-row context lengths.
+        # Inference state (setup_cache): per layer context K/V [max_batch, nkv, max_ctx + 1 + γ, hd]
+        # (slot max_ctx is a write-only sink for padding entries; the fused block pass writes a
+        # block's own K/V after each row's context, where the next append overwrites them), and
+        # per-row context lengths.
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self.ctx_len: Tensor | None = None
@@ -311,14 +318,15 @@ class DSparkDrafter(nn.Module):
         (and packed) on next use."""
         pack_linears(self)
         self._draft_head = None
+        self._layer_packs = None
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self.pack_weights()
         return out
 
-    def __getstate__(self):  # copies and pickles leave the oneDNN pack of the head rows behind
-        return {**super().__getstate__(), "_draft_head": None}
+    def __getstate__(self):  # copies and pickles leave the packs of the head rows and layers behind
+        return {**super().__getstate__(), "_draft_head": None, "_layer_packs": None}
 
     def set_draft_vocab(self, token_ids: Tensor) -> None:
         """The trainer's choice of the V_d draft tokens (e.g. the most frequent response tokens)."""
@@ -420,7 +428,7 @@ class DSparkDrafter(nn.Module):
         dtype = dtype or self.dtype
         if max_batch > self.max_batch or max_ctx > self.max_ctx:
             a = self.args.model_args
-            shape = (max_batch, a.n_kv_heads, max_ctx + 1, a.head_dim)
+            shape = (max_batch, a.n_kv_heads, max_ctx + 1 + self.block_size, a.head_dim)
             with torch.inference_mode(False):  # normal tensors: usable inside and outside inference_mode
                 self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
                 self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
@@ -460,17 +468,66 @@ class DSparkDrafter(nn.Module):
             self.v_cache[i][rows, :, slots] = v.transpose(1, 2).to(self.v_cache[i].dtype)
         self.ctx_len[:b] += counts
 
+    def _kernel_layer_packs(self, x: Tensor) -> tuple[list[Tensor], ...] | None:
+        """The per-layer tensors of cpu_kernels.decoder_layers for a block pass, or None where it
+        does not apply (not bf16 on a CPU, a gradient needed, biases or q/k norms, more rows than
+        the GEMV takes, a head size the attention kernel lacks). q|k|v and gate|up are packed as
+        one matrix each (copies, so training's parameters stay as they are), cached until any
+        weight changes."""
+        a = self.args.model_args
+        b, g, _ = x.shape
+        if (a.attention_bias or a.qk_norm or a.head_dim not in (64, 128) or g > cpu_kernels.MAX_ATTEND_TOKENS
+                or not cpu_kernels.applies(x, *self.parameters()) or b * g > cpu_kernels.max_rows()):
+            return None
+        for k in (a.dim, a.n_heads * a.head_dim, a.intermediate_size):  # gemv_applies' rule for K
+            if k % 2 or (k % 32 and b * g > cpu_kernels.MAX_ROWS_AVX512):
+                return None
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if self._layer_packs is None or self._layer_packs[0] != key:
+            lists = tuple([] for _ in range(6))
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                packs = [cpu_kernels.pack(w) for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight)]
+                if any(p is None for p in packs):
+                    return None
+                for out, t in zip(lists, (layer.input_layernorm.weight, packs[0], packs[1],
+                                          layer.post_attention_layernorm.weight, packs[2], packs[3])):
+                    out.append(t)
+            self._layer_packs = (key, lists)
+        return self._layer_packs[1]
+
     @torch.no_grad()
     def block_hidden(self, anchor_tokens: Tensor, anchor_positions: Tensor | None = None) -> Tensor:
-        """Backbone pass for one block per row against the cached context → h [b, γ, d]."""
+        """Backbone pass for one block per row against the cached context → h [b, γ, d].
+
+        bf16 on a CPU (where the kernels apply) every draft layer runs in one call,
+        cpu_kernels.decoder_layers, as the target's layers do: a draft layer is a target layer
+        whose new keys/values are the block's, written after the row's context (slots ctx_len + k,
+        beyond what the context holds, so the next append overwrites them) and visible to the whole
+        block. The same function as the SDPA path below, with the attention kernel's roundings:
+        drafts may differ in the last bits, which verification makes harmless."""
         b, g = anchor_tokens.shape[0], self.block_size
         device = anchor_tokens.device
         ctx_len = self.ctx_len[:b]
         if anchor_positions is None:
             anchor_positions = ctx_len
-        kv_len = round_to_bucket(int(ctx_len.max()), self.max_ctx)
         x = self.block_inputs(anchor_tokens)
         positions = anchor_positions[:, None] + torch.arange(g, device=device)[None]
+        packs = self._kernel_layer_packs(x) if FUSED_BLOCK else None
+        if packs is not None:
+            a = self.args.model_args
+            slots = ctx_len[:, None] + torch.arange(g, device=device)[None]
+            kv_len = int(ctx_len.max()) + g
+            span = torch.arange(kv_len, device=device)[None, :]
+            visible = (span < ctx_len[:, None] + g)[:, None, :].expand(b, g, kv_len)  # context and own block
+            cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+            x, _ = cpu_kernels.decoder_layers(x, packs[0], packs[1], packs[2], packs[3], packs[4], packs[5],
+                                              self.k_cache, self.v_cache, cos, sin, slots, visible, a.norm_eps,
+                                              a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, [])
+            return self.norm(x)
+        kv_len = round_to_bucket(int(ctx_len.max()), self.max_ctx)
         ctx_visible = torch.arange(kv_len, device=device)[None, :] < ctx_len[:, None]  # [b, kv_len]
         mask = torch.cat([ctx_visible[:, None, :].expand(b, g, kv_len),
                           torch.ones(b, g, g, dtype=torch.bool, device=device)], dim=-1)
