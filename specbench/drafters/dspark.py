@@ -474,28 +474,25 @@ class DSparkDrafter(nn.Module):
         the GEMV takes, a head size the attention kernel lacks). q|k|v and gate|up are packed as
         one matrix each (copies, so training's parameters stay as they are), cached until any
         weight changes."""
-        a = self.args.model_args
         b, g, _ = x.shape
-        if (a.attention_bias or a.qk_norm or a.head_dim not in (64, 128) or g > cpu_kernels.MAX_ATTEND_TOKENS
-                or not cpu_kernels.applies(x, *self.parameters()) or b * g > cpu_kernels.max_rows()):
+        if not cpu_kernels.applies(x) or not cpu_kernels.decoder_layers_apply(self.args.model_args, b * g, g):
             return None
-        for k in (a.dim, a.n_heads * a.head_dim, a.intermediate_size):  # gemv_applies' rule for K
-            if k % 2 or (k % 32 and b * g > cpu_kernels.MAX_ROWS_AVX512):
-                return None
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        params = list(self.parameters())
+        key = tuple((p.data_ptr(), p._version) for p in params)
         if self._layer_packs is None or self._layer_packs[0] != key:
-            lists = tuple([] for _ in range(6))
-            for layer in self.layers:
+            lists = tuple([] for _ in range(6)) if cpu_kernels.applies(*params) else None
+            for layer in self.layers if lists is not None else ():
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 packs = [cpu_kernels.pack(w) for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight)]
                 if any(p is None for p in packs):
-                    return None
+                    lists = None
+                    break
                 for out, t in zip(lists, (layer.input_layernorm.weight, packs[0], packs[1],
                                           layer.post_attention_layernorm.weight, packs[2], packs[3])):
                     out.append(t)
-            self._layer_packs = (key, lists)
+            self._layer_packs = (key, lists)  # None too: not rebuilt until a weight changes
         return self._layer_packs[1]
 
     @torch.no_grad()

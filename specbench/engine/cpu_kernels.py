@@ -157,6 +157,19 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return torch.ops.specbench_cpu.silu_mul_bf16(gate_up)
 
 
+def decoder_layers_apply(args, rows: int, tokens: int) -> bool:
+    """Whether `decoder_layers` takes layers of shape `args` (a model.ModelArgs) for `rows` rows of
+    `tokens` new tokens each: gemv_applies' and attend_applies' shape rules for every projection and
+    the attention, and no bias or q/k norm (the kernel has neither). Dtype, device, gradient and
+    pack freshness are the caller's to check."""
+    if args.attention_bias or args.qk_norm or not available() or rows > max_rows():
+        return False
+    if tokens > MAX_ATTEND_TOKENS or args.head_dim not in (64, 128) or args.n_heads % args.n_kv_heads:
+        return False
+    return all(k % 2 == 0 and (k % 32 == 0 or rows <= MAX_ROWS_AVX512)
+               for k in (args.dim, args.n_heads * args.head_dim, args.intermediate_size))
+
+
 def decoder_layers(x: Tensor, input_norms, qkv, o, post_norms, gate_up, down, k_caches, v_caches, cos: Tensor,
                    sin: Tensor, slots: Tensor, mask: Tensor, eps: float, n_heads: int, n_kv_heads: int, head_dim: int,
                    intermediate: int, taps: list[int]) -> tuple[Tensor, list[Tensor]]:

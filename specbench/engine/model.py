@@ -496,11 +496,10 @@ class Transformer(nn.Module):
         take the kernel route at every op in DecoderLayer.forward (the same checks, so both paths
         compute the same bits): bf16 on a CPU, no gradient, packs fresh, no biases or q/k norms,
         few enough rows for the GEMV and tokens for the attention kernel."""
-        a = self.args
         b, q, _ = x.shape
-        if a.attention_bias or a.qk_norm or not cpu_kernels.applies(x) or b * q > cpu_kernels.max_rows():
+        if (mask.dtype != torch.bool or not cpu_kernels.applies(x)
+                or not cpu_kernels.decoder_layers_apply(self.args, b * q, q)):
             return None
-        probe = x.new_empty(b, a.n_heads, q, a.head_dim)  # the shape attend sees
         lists = tuple([] for _ in range(8))
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -511,16 +510,13 @@ class Transformer(nn.Module):
                      fresh_pack(mlp.down_proj.weight, mlp.down_proj.gemm_pack))
             if any(p is None or p.gemv is None for p in packs) or attn.qkv_bias is not None:
                 return None
-            if not (cpu_kernels.applies(layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-                    and cpu_kernels.attend_applies(probe, attn.k_cache, attn.v_cache, mask)):
+            if not cpu_kernels.applies(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                       attn.k_cache, attn.v_cache):
                 return None
             for out, t in zip(lists, (layer.input_layernorm.weight, packs[0].gemv, packs[1].gemv,
                                       layer.post_attention_layernorm.weight, packs[2].gemv, packs[3].gemv,
                                       attn.k_cache, attn.v_cache)):
                 out.append(t)
-        for k in (a.dim, a.n_heads * a.head_dim, a.intermediate_size):  # gemv_applies' rule for K
-            if k % 2 or (k % 32 and b * q > cpu_kernels.MAX_ROWS_AVX512):
-                return None
         return lists
 
     def forward(
