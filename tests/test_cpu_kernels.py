@@ -251,10 +251,13 @@ def test_all_layers_in_one_call_give_the_bits_of_the_per_module_path(b, q, monke
             caches = [t.clone() for layer in model.model.layers for t in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
         return out, caches
 
+    # The forward over new tokens, and the 9-token prefill where the one call takes it (never: more
+    # tokens per row than the attention kernel's; the shape rule says so on every machine kind).
+    expected = 1 + cpu_kernels.decoder_layers_apply(model.args, b * 9, 9)
     (logits, taps, hidden), caches = run(True)
-    assert len(calls) == 1 + (b * 9 <= cpu_kernels.max_rows())  # the forward over new tokens; the prefill where it fits
+    assert len(calls) == expected
     (ref_logits, ref_taps, ref_hidden), ref_caches = run(False)
-    assert len(calls) == 1 + (b * 9 <= cpu_kernels.max_rows())  # the per-module path never calls it
+    assert len(calls) == expected  # the per-module path never calls it
     assert torch.equal(logits, ref_logits) and torch.equal(taps, ref_taps) and torch.equal(hidden, ref_hidden)
     assert taps.shape[-1] == 2 * 256
     assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches))
@@ -270,6 +273,11 @@ def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(m
         model.setup_cache(1, 128)
         forward_new_tokens(model, torch.randint(0, 96, (1, cpu_kernels.max_rows() + 1)), torch.zeros(1, dtype=torch.long))
         assert not calls
+        model.setup_cache(cpu_kernels.max_rows() + 1, 16)  # more rows than the GEMV takes, one token each
+        forward_new_tokens(model, torch.randint(0, 96, (cpu_kernels.max_rows() + 1, 1)),
+                           torch.zeros(cpu_kernels.max_rows() + 1, dtype=torch.long))
+        assert not calls
+        model.setup_cache(1, 128)
         forward_new_tokens(model, torch.randint(0, 96, (1, 1)), torch.zeros(1, dtype=torch.long))
         assert len(calls) == 1
     with torch.no_grad():  # an in-place write makes layer 1's MLP packs stale
