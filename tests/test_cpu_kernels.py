@@ -335,3 +335,151 @@ def test_a_drafters_block_pass_in_one_call_is_the_sdpa_path_to_bf16_rounding(mon
     for h, ref in zip(fused[:2], reference[:2]):
         assert (h - ref).abs().max() <= 0.03 * ref.abs().max()
     assert (fused[2] == reference[2]).float().mean() >= 0.75
+
+
+def test_the_one_call_stack_is_rebuilt_when_anything_it_read_changes(monkeypatch):
+    """Transformer._kernel_stack keeps its per-layer checks' outcome while nothing they read changed.
+    A write through a view (q_proj.weight of the packed q|k|v), a replaced parameter or new caches
+    must each be noticed: stale packs take the per-module path, and a forward after setup_cache
+    writes the new caches, with the bits of the per-module path."""
+    from specbench.engine import model as model_module
+
+    model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
+    calls = []
+    layers = cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(1) or layers(*a))
+    step = lambda: forward_new_tokens(model, torch.tensor([[5]]), torch.tensor([3]))  # noqa: E731
+    with torch.inference_mode():
+        model.setup_cache(1, 16)
+        step()
+        kept = model._stack_cache
+        step()
+        assert len(calls) == 2 and model._stack_cache is kept  # nothing changed: the checks' outcome reused
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.0)  # bumps the packed q|k|v's version
+    with torch.inference_mode():
+        step()
+        assert len(calls) == 2  # stale q|k|v pack: the per-module path
+    model.pack_weights()
+    with torch.inference_mode():
+        step()
+        assert len(calls) == 3
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach().clone(), requires_grad=False)  # a replaced parameter
+    with torch.inference_mode():
+        step()
+        assert len(calls) == 3
+    model.pack_weights()
+    with torch.inference_mode():
+        model.setup_cache(2, 32)  # new cache tensors
+        fused = step()
+        cache = model.model.layers[1].self_attn.k_cache[0, :, 3].clone()
+        monkeypatch.setattr(model_module, "FUSED_LAYERS", False)
+        model.model.layers[1].self_attn.k_cache.zero_()
+        reference = step()
+    assert len(calls) == 4
+    assert torch.equal(fused[0], reference[0]) and cache.abs().sum() > 0
+    assert torch.equal(cache, model.model.layers[1].self_attn.k_cache[0, :, 3])
+
+
+@pytest.mark.parametrize("v", [1, 7, 16, 33, 8192, 49152 + 5])
+def test_argmax_is_the_first_maximum_with_nan_as_the_largest(v):
+    """cpu_kernels.argmax (sampling.greedy_ids on bf16 CPU logits) = torch's max(-1).indices: the first
+    of tied maxima, the first NaN where there is one, -inf rows and ±inf entries included."""
+    g = torch.Generator().manual_seed(v)
+    for trial in range(12):
+        x = torch.randn(3, 4, v, generator=g).bfloat16()
+        if trial % 3 == 1:  # many ties
+            x = (2 * x).round().clamp(-2, 2).bfloat16()
+        if trial % 4 == 2:
+            x[0, 1, v // 2] = float("nan")
+            x[0, 1, v // 3] = float("nan")
+        if trial % 5 == 3:
+            x[1] = float("-inf")
+        if trial % 6 == 4:
+            x[2, 0, -1] = x[2, 0, 0] = float("inf")
+        assert torch.equal(cpu_kernels.argmax(x), x.max(-1).indices), trial
+    from specbench.engine.sampling import greedy_ids
+    assert torch.equal(greedy_ids(x[:, 0]), x[:, 0].max(-1).indices)
+
+
+def _random_dspark(rank: int, draft_vocab, block: int = 5):
+    from specbench.drafters.dspark import DSparkArgs, build_drafter
+
+    target = tiny_model(vocab=96, dim=256, layers=3, dtype=torch.bfloat16)
+    args = DSparkArgs.for_target(target.args, tap_layers=[0, 1, 2], n_layers=2, block_size=block, markov_rank=rank,
+                                 draft_vocab=draft_vocab)
+    drafter = build_drafter(args, target).eval()
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dtype.is_floating_point:
+                p.copy_((1 + 0.1 * torch.randn(p.shape, generator=g)) if p.dim() == 1 and p.shape[0] == 256
+                        else 0.3 * torch.randn(p.shape, generator=g))
+        if draft_vocab:
+            drafter.set_draft_vocab(torch.randperm(96, generator=g)[:draft_vocab])
+    drafter.pack_weights()  # the writes above made the packs stale (as a checkpoint load does, before its repack)
+    return drafter, g
+
+
+@pytest.mark.parametrize("rank, draft_vocab", [(8, 0), (32, 40)])
+def test_the_markov_head_in_one_call_drafts_the_loops_tokens(rank, draft_vocab, monkeypatch):
+    """dspark.FUSED_MARKOV: cpu_kernels.markov_draft runs draft_block's greedy Markov loop and the
+    confidence head in one call: the same tokens and one-hot probs as the loop, the confidence
+    logits within one bf16 rounding of nn.Linear's."""
+    from specbench.drafters import dspark
+
+    drafter, g = _random_dspark(rank, draft_vocab)
+    calls = []
+    markov = cpu_kernels.markov_draft
+    monkeypatch.setattr(cpu_kernels, "markov_draft", lambda *a: calls.append(1) or markov(*a))
+    anchors = torch.tensor([7, 42, 3])
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(dspark, "FUSED_MARKOV", fused)
+        with torch.inference_mode():
+            drafter.setup_cache(3, 32)
+            drafter.append_context(torch.randn(3, 10, 3 * 256, generator=torch.Generator().manual_seed(1)).bfloat16(),
+                                   torch.tensor([10, 6, 8]))
+            outs.append(drafter.draft_block(anchors, None, temperature=0.0))
+    assert len(calls) == 1
+    (tokens, probs, z), (ref_tokens, ref_probs, ref_z) = outs
+    assert torch.equal(tokens, ref_tokens) and torch.equal(probs, ref_probs)
+    assert len(set(tokens.flatten().tolist())) > 3  # the drafts are not all one token
+    if draft_vocab:
+        assert set(tokens.flatten().tolist()) <= set(drafter.vocab_ids.tolist())
+    assert torch.allclose(z.float(), ref_z.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_a_context_append_on_the_kernels_writes_the_loops_cache(monkeypatch):
+    """DSparkDrafter.append_context's kernel route (one k|v GEMV and one rope + cache-write call per
+    layer) writes every context slot with the bits of the per-layer torch loop (the padding sink
+    slot aside, whose contents nothing reads), for ragged rows, a prompt and later rounds."""
+    from specbench.drafters import dspark
+
+    drafter, g = _random_dspark(8, 0)
+    calls = []
+    write = cpu_kernels.qkv_rope_cache
+    monkeypatch.setattr(cpu_kernels, "qkv_rope_cache", lambda *a: calls.append(1) or write(*a))
+    prompt = torch.randn(3, 12, 3 * 256, generator=g).bfloat16()
+    rounds = [(torch.randn(3, 5, 3 * 256, generator=g).bfloat16(), torch.tensor(c)) for c in ([1, 5, 3], [2, 0, 5])]
+    caches = []
+    for fused in (True, False):
+        dspark.FUSED_BLOCK = fused
+        try:
+            with torch.inference_mode():
+                drafter.setup_cache(3, 40)
+                for c in drafter.k_cache + drafter.v_cache:
+                    c.zero_()
+                drafter.append_context(prompt[:, :3], torch.tensor([3, 2, 1]))  # 9 rows: within the GEMV's reach
+                for features, counts in rounds:
+                    drafter.append_context(features, counts)
+                caches.append(([c[:, :, :drafter.max_ctx].clone() for c in drafter.k_cache + drafter.v_cache],
+                               drafter.ctx_len.clone()))
+        finally:
+            dspark.FUSED_BLOCK = True
+    assert len(calls) >= 2 * 2  # both layers, at least in the two rounds (the prompt's 9 rows need AMX)
+    (fused, fused_len), (ref, ref_len) = caches
+    assert torch.equal(fused_len, ref_len) and fused_len.tolist() == [6, 7, 9]
+    assert all(torch.equal(a, b) for a, b in zip(fused, ref))
+    assert fused[0][:, :, :6].abs().sum() > 0

@@ -57,6 +57,9 @@ KINDS = ("dspark", "dflash")
 # bf16 on a CPU: a block pass runs every draft layer in one kernel call (DSparkDrafter.block_hidden).
 # Tests switch it off to compare with the SDPA path.
 FUSED_BLOCK = True
+# bf16 on a CPU at temperature 0: the Markov head's sequential loop in one kernel call
+# (cpu_kernels.markov_draft, the same tokens). Tests switch it off to compare.
+FUSED_MARKOV = True
 
 
 @dataclass
@@ -461,6 +464,14 @@ class DSparkDrafter(nn.Module):
         slots = torch.where(offsets < counts[:, None], slots, self.max_ctx)  # padding → the sink slot
         ctx = self.project_context(features)
         cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        kv_packs = self._context_kv_packs(ctx) if FUSED_BLOCK else None
+        if kv_packs is not None:  # bf16 on a CPU: per layer one k|v GEMV, then rope + cache write in one call
+            a = self.args.model_args
+            for i, kv in enumerate(kv_packs):
+                cpu_kernels.qkv_rope_cache(cpu_kernels.gemv(ctx, kv, 2 * a.n_kv_heads * a.head_dim), cos, sin, slots,
+                                           self.k_cache[i], self.v_cache[i], 0, a.n_kv_heads, a.head_dim)
+            self.ctx_len[:b] += counts
+            return
         rows = torch.arange(b, device=device)[:, None]
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(ctx, cos, sin)  # [b, nkv, n, hd]
@@ -471,26 +482,33 @@ class DSparkDrafter(nn.Module):
     def _kernel_layer_packs(self, x: Tensor) -> tuple[list[Tensor], ...] | None:
         """The per-layer tensors of cpu_kernels.decoder_layers for a block pass, or None where it
         does not apply (not bf16 on a CPU, a gradient needed, biases or q/k norms, more rows than
-        the GEMV takes, a head size the attention kernel lacks). q|k|v and gate|up are packed as
-        one matrix each (copies, so training's parameters stay as they are), cached until any
-        weight changes."""
+        the GEMV takes, a head size the attention kernel lacks)."""
         b, g, _ = x.shape
         if not cpu_kernels.applies(x) or not cpu_kernels.decoder_layers_apply(self.args.model_args, b * g, g):
             return None
+        packs = self._layer_packs_now()
+        return packs[:6] if packs is not None else None
+
+    def _layer_packs_now(self) -> tuple[list[Tensor], ...] | None:
+        """Per layer: the norm weights and the GEMV packs of q|k|v, o, gate|up, down (the block
+        pass's cpu_kernels.decoder_layers) and of k|v (the context append), or None where a weight
+        is not bf16 on a CPU. Packed as one matrix each (copies, so training's parameters stay as
+        they are), cached until any weight changes."""
         params = list(self.parameters())
         key = tuple((p.data_ptr(), p._version) for p in params)
         if self._layer_packs is None or self._layer_packs[0] != key:
-            lists = tuple([] for _ in range(6)) if cpu_kernels.applies(*params) else None
+            lists = tuple([] for _ in range(7)) if cpu_kernels.applies(*params) else None
             for layer in self.layers if lists is not None else ():
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-                packs = [cpu_kernels.pack(w) for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight)]
+                kv = torch.cat([attn.k_proj.weight, attn.v_proj.weight])
+                packs = [cpu_kernels.pack(w) for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight, kv)]
                 if any(p is None for p in packs):
                     lists = None
                     break
                 for out, t in zip(lists, (layer.input_layernorm.weight, packs[0], packs[1],
-                                          layer.post_attention_layernorm.weight, packs[2], packs[3])):
+                                          layer.post_attention_layernorm.weight, packs[2], packs[3], packs[4])):
                     out.append(t)
             self._layer_packs = (key, lists)  # None too: not rebuilt until a weight changes
         return self._layer_packs[1]
@@ -530,6 +548,32 @@ class DSparkDrafter(nn.Module):
                           torch.ones(b, g, g, dtype=torch.bool, device=device)], dim=-1)
         return self._run_layers(x, positions, None, None, mask, cached=True)
 
+    def _context_kv_packs(self, ctx: Tensor) -> list[Tensor] | None:
+        """Per layer the k|v GEMV pack where append_context's kernel route computes what the loop
+        over context_kv does, with its bits (the GEMV as k_proj's and v_proj's Linear runs it for
+        this many rows, rope as apply_rope rounds): bf16 on a CPU, no k norm or projection bias,
+        bf16 caches, few enough rows; else None."""
+        a = self.args.model_args
+        rows = ctx.numel() // ctx.shape[-1]
+        if (a.qk_norm or a.attention_bias or not self.k_cache or rows > cpu_kernels.max_rows()
+                or not cpu_kernels.applies(ctx, self.k_cache[0], self.v_cache[0])
+                or not (a.dim % 32 == 0 or rows <= cpu_kernels.MAX_ROWS_AVX512)):
+            return None
+        packs = self._layer_packs_now()
+        return packs[6] if packs is not None else None
+
+    def _markov_kernel_pack(self, base: Tensor) -> Tensor | None:
+        """markov_w2's GEMV pack where cpu_kernels.markov_draft computes draft_block's greedy loop
+        with its bits: a Markov head, bf16 on a CPU, and every bias product one the loop would also
+        run on the GEMV (`linear`'s route for that many rows and this rank); else None."""
+        if self.markov_w1 is None or not cpu_kernels.applies(base, self.markov_w1.weight):
+            return None
+        packs = fresh_pack(self.markov_w2.weight, self.markov_w2.gemm_pack)
+        rows, rank = base.shape[0], self.markov_w1.weight.shape[1]
+        if packs is None or packs.gemv is None or rank % 2:
+            return None
+        return packs.gemv if rows <= (cpu_kernels.max_rows() if rank % 32 == 0 else cpu_kernels.MAX_ROWS_AVX512) else None
+
     @torch.no_grad()
     def draft_block(self, anchor_tokens: Tensor, anchor_positions: Tensor | None, temperature: float,
                     top_p: float = 1.0, generator: torch.Generator | None = None, return_logits: bool = False,
@@ -546,6 +590,16 @@ class DSparkDrafter(nn.Module):
         h = self.block_hidden(anchor_tokens, anchor_positions)  # [b, γ, d]
         base = self.base_logits(h)  # U_k, all slots in parallel
         greedy = temperature <= 0
+        w2_pack = self._markov_kernel_pack(base) if greedy and not return_logits and FUSED_MARKOV else None
+        if w2_pack is not None:  # bf16 on a CPU: the greedy loop below in one call, the same tokens
+            head = self.confidence_head
+            fused_head = head is not None and head.bias is not None and cpu_kernels.applies(head.weight, head.bias, h)
+            tokens, prev_tokens, z = cpu_kernels.markov_draft(
+                base, anchor_tokens, self.markov_w1.weight, w2_pack, self.vocab_ids,
+                *((h, head.weight, head.bias) if fused_head else ()))
+            probs = torch.zeros(*tokens.shape, self.args.model_args.vocab_size, dtype=torch.float32,
+                                device=tokens.device).scatter_(2, tokens[..., None], 1.0) if with_probs else None
+            return tokens, probs, z if fused_head else self.confidence_logits(h, prev_tokens)
         prev = anchor_tokens
         tokens, probs, logits_out, prevs = [], [], [], []
         for k in range(self.block_size):  # the sequential part: only a bias per step

@@ -34,8 +34,9 @@
 // 8-25 torch calls. Each works row by row, so it too gives a row the same bits in any batch.
 //
 // 3. attend_bf16: attention of a few new queries per row over the cache, in place of SDPA for
-// decode and verify forwards; 4. silu_mul_bf16: the MLP's silu(gate) · up (both below, before the
-// operator registrations).
+// decode and verify forwards; 4. silu_mul_bf16: the MLP's silu(gate) · up; 5. decoder_layers_bf16:
+// every layer in one call; 6. argmax_bf16: greedy ids; 7. markov_draft_bf16: DSpark's greedy Markov
+// head (all below, before the operator registrations).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -585,6 +586,148 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bf16(
   }
   return {x, tapped};
 }
+
+// 6. argmax_bf16: the index of each row's largest value, the first one on ties, NaN counting as the
+// largest (the first NaN): what torch's max(dim=-1).indices gives (sampling.py: greedy_ids), without
+// its ~0.3 ms per 49 152-entry bf16 row on the 2-core Xeon (AMX; docs/performance.md "Session 12").
+// 16 lanes each keep their own first maximum; the lanes' maxima then go to the smallest index among
+// the lanes that hold the largest value. A row with a NaN takes the scalar loop.
+int64_t argmax_row(const bf16* x, int64_t V) {
+  int64_t i = 0;
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_index = _mm512_set1_epi32(0);
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 unordered = 0;
+  bool any = false;
+  if (V < (int64_t(1) << 31)) {
+    for (; i + 16 <= V; i += 16) {
+      const __m512 v = load_bf16(x + i, 0xFFFF);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, greater, v);
+      best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+      index = _mm512_add_epi32(index, step);
+      any = true;
+    }
+  }
+  if (unordered) {  // a NaN: the first NaN wins
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(static_cast<float>(x[j]))) return j;
+  }
+  float top = -INFINITY;
+  int64_t top_index = 0;
+  bool found = false;
+  if (any) {
+    alignas(64) float values[16];
+    alignas(64) int32_t indices[16];
+    _mm512_store_ps(values, best);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(indices), best_index);
+    for (int l = 0; l < 16; ++l) {
+      // A lane still at -inf with nothing greater seen holds index 0 only if its first value was
+      // -inf too; treating it as index l (its first element) keeps "first maximum" exact.
+      const int64_t at = values[l] == -INFINITY ? l : indices[l];
+      if (!found || values[l] > top || (values[l] == top && at < top_index)) {
+        top = values[l], top_index = at, found = true;
+      }
+    }
+  }
+  for (; i < V; ++i) {  // the tail
+    const float v = x[i];
+    if (std::isnan(v)) return i;
+    if (!found || v > top) top = v, top_index = i, found = true;
+  }
+  return top_index;
+}
+
+at::Tensor argmax_bf16(const at::Tensor& x) {
+  check_bf16_cpu(x, "argmax_bf16");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "argmax_bf16: [..., V] with V > 0");
+  const at::Tensor c = x.contiguous();
+  const int64_t V = c.size(-1), rows = c.numel() / V;
+  std::vector<int64_t> shape(c.sizes().begin(), c.sizes().end() - 1);
+  at::Tensor out = at::empty(shape, c.options().dtype(at::kLong));
+  const bf16* xp = c.data_ptr<bf16>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
+// 7. markov_draft_bf16: DSpark's sequential Markov head at temperature 0 (drafters/dspark.py:
+// draft_block's greedy loop) in one call. For k = 0 .. γ−1: bias = W1[x_{k−1}] · W2ᵀ (the GEMV
+// above on W2's pack, as markov_w2's Linear computes it), logits = bf16(U_k + bias) (torch's bf16
+// add), x_k = vocab_ids[argmax] (argmax_row: the first maximum). Same tokens as the Python loop,
+// whose ~7 × 6 torch calls cost ~0.7 ms a round on the 2-core Xeon; then, given its weights, the
+// confidence head's logits z_k (from h_k and x_{k−1}). Returns (tokens [b, γ], the previous tokens
+// [b, γ] = [anchor, x_1 .. x_{γ−1}], z [b, γ] bf16 or uninitialised without a confidence head).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
+    const at::Tensor& base, const at::Tensor& anchors, const at::Tensor& w1, const at::Tensor& w2_packed,
+    const at::Tensor& vocab_ids, const at::Tensor& h, const at::Tensor& conf_weight, const at::Tensor& conf_bias) {
+  check_bf16_cpu(base, "markov_draft_bf16");
+  check_bf16_cpu(w1, "markov_draft_bf16");
+  TORCH_CHECK(base.dim() == 3 && anchors.dim() == 1 && anchors.size(0) == base.size(0) &&
+              anchors.scalar_type() == at::kLong && w1.dim() == 2, "markov_draft_bf16: base [b, γ, Vd], anchors [b]");
+  const int64_t b = base.size(0), g = base.size(1), Vd = base.size(2), r = w1.size(1), V = w1.size(0);
+  const bool subset = vocab_ids.numel() > 0;
+  TORCH_CHECK(!subset || (vocab_ids.numel() == Vd && vocab_ids.scalar_type() == at::kLong),
+              "markov_draft_bf16: vocab_ids [Vd] int64 or empty");
+  const at::Tensor u = base.contiguous(), table = w1.contiguous(), anchor = anchors.contiguous();
+  const at::Tensor ids = subset ? vocab_ids.contiguous() : vocab_ids;
+  at::Tensor tokens = at::empty({b, g}, anchors.options());
+  at::Tensor prevs = at::empty({b, g}, anchors.options());
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  int64_t* pp = prevs.data_ptr<int64_t>();
+  const bf16* up = u.data_ptr<bf16>();
+  at::Tensor x = at::empty({b, r}, base.options());
+  std::vector<bf16> logits(Vd);
+  for (int64_t rr = 0; rr < b; ++rr) pp[rr * g] = anchor.data_ptr<int64_t>()[rr];
+  for (int64_t k = 0; k < g; ++k) {
+    for (int64_t rr = 0; rr < b; ++rr) {
+      const int64_t prev = pp[rr * g + k];
+      TORCH_CHECK(prev >= 0 && prev < V, "markov_draft_bf16: token id out of range");
+      std::memcpy(x.data_ptr<bf16>() + rr * r, table.data_ptr<bf16>() + prev * r, r * sizeof(bf16));
+    }
+    const at::Tensor bias = gemv_bf16(x, w2_packed, Vd);
+    const bf16* bp = bias.data_ptr<bf16>();
+    for (int64_t rr = 0; rr < b; ++rr) {
+      const bf16* row = up + (rr * g + k) * Vd;
+      for (int64_t j = 0; j < Vd; ++j)
+        logits[j] = bf16(static_cast<float>(row[j]) + static_cast<float>(bp[rr * Vd + j]));
+      const int64_t index = argmax_row(logits.data(), Vd);
+      const int64_t token = subset ? ids.data_ptr<int64_t>()[index] : index;
+      tp[rr * g + k] = token;
+      if (k + 1 < g) pp[rr * g + k + 1] = token;
+    }
+  }
+  // The confidence head: z = w · [h_k ; W1[x_{k−1}]] + b (or w · h_k + b), summed in fp32 in index order
+  // and rounded to bf16 once, as nn.Linear's bf16 output (its GEMM may sum in another order).
+  at::Tensor z = at::empty({b, g}, base.options());
+  if (conf_weight.numel() > 0) {
+    check_bf16_cpu(h, "markov_draft_bf16");
+    check_bf16_cpu(conf_weight, "markov_draft_bf16");
+    check_bf16_cpu(conf_bias, "markov_draft_bf16");
+    const int64_t d = h.size(-1), width = conf_weight.numel();
+    TORCH_CHECK(h.dim() == 3 && h.size(0) == b && h.size(1) == g && (width == d || width == d + r) &&
+                conf_bias.numel() == 1, "markov_draft_bf16: h [b, γ, d], conf_weight [d (+ r)], conf_bias [1]");
+    const at::Tensor hc = h.contiguous(), wc = conf_weight.contiguous();
+    const bf16* hp = hc.data_ptr<bf16>(); const bf16* wp = wc.data_ptr<bf16>();
+    const float bias = static_cast<float>(conf_bias.contiguous().data_ptr<bf16>()[0]);
+    bf16* zp = z.data_ptr<bf16>();
+    for (int64_t i = 0; i < b * g; ++i) {
+      float sum = 0.f;
+      const bf16* row = hp + i * d;
+      for (int64_t j = 0; j < d; ++j) sum += static_cast<float>(wp[j]) * static_cast<float>(row[j]);
+      if (width > d) {
+        const bf16* m = table.data_ptr<bf16>() + pp[i] * r;
+        for (int64_t j = 0; j < r; ++j) sum += static_cast<float>(wp[d + j]) * static_cast<float>(m[j]);
+      }
+      zp[i] = bf16(sum + bias);
+    }
+  }
+  return {tokens, prevs, z};
+}
 }  // namespace
 
 TORCH_LIBRARY(specbench_cpu, m) {
@@ -596,6 +739,9 @@ TORCH_LIBRARY(specbench_cpu, m) {
         "int nh, int nkv, int hd) -> Tensor");
   m.def("attend_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask) -> Tensor");
   m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("argmax_bf16(Tensor x) -> Tensor");
+  m.def("markov_draft_bf16(Tensor base, Tensor anchors, Tensor w1, Tensor w2_packed, Tensor vocab_ids, Tensor h, "
+        "Tensor conf_weight, Tensor conf_bias) -> (Tensor, Tensor, Tensor)");
   m.def("decoder_layers_bf16(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor[] o, Tensor[] post_norms, "
         "Tensor[] gate_up, Tensor[] down, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
         "Tensor slots, Tensor mask, float eps, int nh, int nkv, int hd, int intermediate, int[] taps) -> (Tensor, Tensor[])");
@@ -607,5 +753,7 @@ TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("qkv_rope_cache_bf16", qkv_rope_cache_bf16);
   m.impl("attend_bf16", attend_bf16);
   m.impl("silu_mul_bf16", silu_mul_bf16);
+  m.impl("argmax_bf16", argmax_bf16);
+  m.impl("markov_draft_bf16", markov_draft_bf16);
   m.impl("decoder_layers_bf16", decoder_layers_bf16);
 }

@@ -180,3 +180,26 @@ def decoder_layers(x: Tensor, input_norms, qkv, o, post_norms, gate_up, down, k_
     return torch.ops.specbench_cpu.decoder_layers_bf16(x, input_norms, qkv, o, post_norms, gate_up, down, k_caches,
                                                        v_caches, cos, sin, slots, mask, eps, n_heads, n_kv_heads,
                                                        head_dim, intermediate, taps)
+
+
+def argmax(x: Tensor) -> Tensor:
+    """[..., V] bf16 → [...] int64: the first maximum's index, NaN counting as the maximum (the first
+    NaN), as x.max(-1).indices gives (sampling.greedy_ids)."""
+    return torch.ops.specbench_cpu.argmax_bf16(x)
+
+
+def markov_draft(base: Tensor, anchors: Tensor, w1: Tensor, w2_packed: Tensor, vocab_ids: Tensor | None,
+                 h: Tensor | None = None, conf_weight: Tensor | None = None, conf_bias: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """DSpark's greedy Markov head (drafters/dspark.py: draft_block at temperature 0) in one call:
+    base [b, γ, Vd] bf16 logits U_k, anchors [b], w1 [V, r] (markov_w1's table), w2_packed (markov_w2's
+    GEMV pack), vocab_ids [Vd] or None → (tokens [b, γ], previous tokens [b, γ], the confidence
+    head's logits [b, γ] bf16 from h [b, γ, d] and its weight [1, d (+ r)] and bias, or None without
+    them). The tokens are the Python loop's; z sums in fp32 in index order (nn.Linear's bf16 GEMM may
+    round its last bit otherwise)."""
+    none = torch.empty(0, dtype=base.dtype)
+    ids = vocab_ids if vocab_ids is not None else torch.empty(0, dtype=torch.long)
+    tokens, prevs, z = torch.ops.specbench_cpu.markov_draft_bf16(
+        base, anchors, w1, w2_packed, ids, h if h is not None else none,
+        conf_weight.reshape(-1) if conf_weight is not None else none, conf_bias if conf_bias is not None else none)
+    return tokens, prevs, (z if conf_weight is not None else None)

@@ -431,6 +431,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_batch = 0
         self.max_seq = 0
+        self._stack_cache = None  # _kernel_stack's last outcome and what it read
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.pack_weights()
 
@@ -464,6 +465,9 @@ class Transformer(nn.Module):
         self.pack_weights()
         return out
 
+    def __getstate__(self):  # copies and pickles rebuild the kernel stack (its snapshot names this object's dicts)
+        return {**super().__getstate__(), "_stack_cache": None}
+
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
@@ -495,11 +499,26 @@ class Transformer(nn.Module):
         """The per-layer tensors of cpu_kernels.decoder_layers, or None unless every layer would
         take the kernel route at every op in DecoderLayer.forward (the same checks, so both paths
         compute the same bits): bf16 on a CPU, no gradient, packs fresh, no biases or q/k norms,
-        few enough rows for the GEMV and tokens for the attention kernel."""
+        few enough rows for the GEMV and tokens for the attention kernel.
+
+        The per-layer checks (~30 layers × a dozen tensors) cost a good part of a millisecond of
+        Python per forward, so their outcome is kept with a snapshot of everything it read (see
+        `_stack_snapshot`) and reused while the snapshot holds."""
         b, q, _ = x.shape
         if (mask.dtype != torch.bool or not cpu_kernels.applies(x)
                 or not cpu_kernels.decoder_layers_apply(self.args, b * q, q)):
             return None
+        if torch.is_grad_enabled():  # requires_grad flags are not in the snapshot: check afresh
+            return self._build_kernel_stack()
+        cached = getattr(self, "_stack_cache", None)
+        if cached is not None and all(d.get(name) is t and (key is None or (t.data_ptr(), t._version) == key)
+                                      for d, name, t, key in cached[0]):
+            return cached[1]
+        lists = self._build_kernel_stack()
+        self._stack_cache = (self._stack_snapshot(), lists)
+        return lists
+
+    def _build_kernel_stack(self) -> tuple[list[Tensor], ...] | None:
         lists = tuple([] for _ in range(8))
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -518,6 +537,28 @@ class Transformer(nn.Module):
                                       attn.k_cache, attn.v_cache)):
                 out.append(t)
         return lists
+
+    def _stack_snapshot(self) -> list[tuple[dict, str, object, tuple[int, int] | None]]:
+        """(holder's dict, name, object, (storage, version counter) or None) of everything
+        `_build_kernel_stack` reads: each parameter (replaced → another object; written in place,
+        also through a view such as q_proj.weight of qkv_weight → another version; `.data =` →
+        another storage), the packed weights and their packs, and the caches (setup_cache replaces
+        them; their contents change every forward, so no version)."""
+        entries = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module, names in ((attn, ("qkv_weight", "qkv_bias", "qkv_gemm_pack", "k_cache", "v_cache")),
+                                  (mlp, ("gate_up_weight", "gate_up_gemm_pack")),
+                                  (attn.o_proj, ("gemm_pack",)), (mlp.down_proj, ("gemm_pack",))):
+                for name in names:
+                    t = module.__dict__.get(name)
+                    versioned = isinstance(t, Tensor) and name not in ("k_cache", "v_cache")
+                    entries.append((module.__dict__, name, t, (t.data_ptr(), t._version) if versioned else None))
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                           mlp.down_proj, layer.input_layernorm, layer.post_attention_layernorm):
+                for name, t in module._parameters.items():
+                    entries.append((module._parameters, name, t, None if t is None else (t.data_ptr(), t._version)))
+        return entries
 
     def forward(
         self,
