@@ -227,13 +227,26 @@ void check_bf16_cpu(const at::Tensor& t, const char* what) {
 }
 
 // model.py's RMSNorm for one row: weight · bf16(x · rsqrt(mean(x²) + eps)), the mean and the
-// product in fp32. The sum of squares runs in index order, so its last bits may differ from torch's
-// vectorised mean; the roundings are torch's.
+// product in fp32. The sum of squares runs in its own fixed order (below), so its last bits may
+// differ from torch's vectorised mean; the roundings are torch's.
 void norm_row(const bf16* x, const bf16* w, bf16* y, int64_t D, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < D; ++i) { const float v = x[i]; ss += v * v; }
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-  for (int64_t i = 0; i < D; ++i) y[i] = bf16(static_cast<float>(w[i]) * round_bf16(static_cast<float>(x[i]) * r));
+  // Squares summed in 16 fp32 lanes (lane l takes elements l, l + 16, ...), the lanes then added by
+  // _mm512_reduce_add_ps: a fixed order for a given D, whatever the row's neighbours.
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __mmask16 m = D - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (D - i)) - 1u);
+    const __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, x + i));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(D) + eps);
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t i = 0; i < D; i += 16) {
+    const __mmask16 m = D - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (D - i)) - 1u);
+    const __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, x + i));
+    const __m512 normed = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(v, rv)));  // bf16(x · r)
+    const __m512 wv = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, w + i));
+    _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(wv, normed)));
+  }
 }
 
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -262,7 +275,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const 
   at::Tensor s = at::empty_like(xc), y = at::empty_like(xc);
   const bf16* xp = xc.data_ptr<bf16>(); const bf16* dp = dc.data_ptr<bf16>(); const bf16* wp = weight.data_ptr<bf16>();
   bf16* sp = s.data_ptr<bf16>(); bf16* yp = y.data_ptr<bf16>();
-  for (int64_t i = 0; i < rows * D; ++i) sp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(dp[i]));
+  const int64_t n = rows * D;
+  for (int64_t i = 0; i < n; i += 16) {  // bf16(x + delta), as torch's bf16 add rounds
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 a = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, xp + i));
+    const __m512 d = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, dp + i));
+    _mm256_mask_storeu_epi16(sp + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, d)));
+  }
   for (int64_t r = 0; r < rows; ++r) norm_row(sp + r * D, wp, yp + r * D, D, static_cast<float>(eps));
   return {s, y};
 }
@@ -271,6 +290,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const 
 // so the same bits: bf16(bf16(x · cos) + bf16(rotate_half(x) · sin)).
 inline void rope_row(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t hd) {
   const int64_t half = hd / 2;
+  if (half % 16 == 0) {  // 16 elements at a time, the same operations per element as the loop below
+    for (int64_t i = 0; i < hd; i += 16) {
+      const __m512 xv = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(x + i)));
+      __m512 rot = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(x + (i < half ? i + half : i - half))));
+      if (i < half)  // -x by its sign bit, as the scalar negation (0 - x would turn -0 into +0)
+        rot = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(rot), _mm512_set1_epi32(INT32_MIN)));
+      const __m512 cv = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(c + i)));
+      const __m512 sv = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(s + i)));
+      const __m512 a = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(xv, cv)));
+      const __m512 b = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(rot, sv)));
+      _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
+    }
+    return;
+  }
   for (int64_t i = 0; i < hd; ++i) {
     const float rot = i < half ? -static_cast<float>(x[i + half]) : static_cast<float>(x[i - half]);
     out[i] = bf16(round_bf16(static_cast<float>(x[i]) * static_cast<float>(c[i])) + round_bf16(rot * static_cast<float>(s[i])));
@@ -483,7 +516,13 @@ at::Tensor attend_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const int64_t G = nh / nkv;
-  constexpr int64_t kChunk = 8;  // tokens per item: more items than threads, each block transposed once per item
+  // Tokens per item: at most 8, and few enough for two items per thread where the rows and KV heads
+  // alone give fewer (b = 1, 3 KV heads, 8 tokens, 2 threads: 6 items of 4 tokens, not 3 of 8, which
+  // left one thread a third of the work idle); each item transposes the keys once. A query's bits
+  // do not depend on the grouping.
+  const int64_t want = 2 * at::get_num_threads(), per_token_group = b * nkv;
+  const int64_t groups = std::min<int64_t>(nq, std::max<int64_t>(1, (want + per_token_group - 1) / per_token_group));
+  const int64_t kChunk = std::min<int64_t>(8, (nq + groups - 1) / groups);
   const int64_t chunks = (nq + kChunk - 1) / kChunk, R = std::min(nq, kChunk) * G;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   const int64_t L16 = (L + 15) / 16 * 16;
