@@ -152,6 +152,35 @@ def test_draft_gate_greedy_identity(target, draft_cost):
         assert all(v == 0 for r in out for v, c in zip(r.trace_verify_len, r.trace_confidence) if not c)
 
 
+def test_algorithm1_runs_once_a_gated_round_and_schedules_as_before(target, monkeypatch):
+    """With the draft gate, propose() already runs Algorithm 1 on the round's confidences (what would
+    the scheduler admit?); _schedule takes that answer instead of searching again. One search per
+    drafted round, and the same verify lengths and outputs as when the schedule searches itself."""
+    import specbench.policies.dspark as dspark_policy
+
+    prompts = random_prompts(4, VOCAB, seed=6)
+    config = SamplingConfig(max_new_tokens=32)
+    cheap = lambda rows, q: 0.010 + 0.0001 * rows * q  # noqa: E731
+
+    def run(reuse: bool):
+        calls = []
+        search = dspark_policy.algorithm1_lengths
+        monkeypatch.setattr(dspark_policy, "algorithm1_lengths", lambda *a, **k: calls.append(1) or search(*a, **k))
+        pol = DSpark(make_drafter(target, seed=4), scheduler="algorithm1", step_seconds=cheap,
+                     draft_seconds=lambda rows: 0.002, sts_temperatures=[1.3, 0.8, 1.0, 1.1], draft_gate=True)
+        if not reuse:
+            update = pol.gate.update
+            monkeypatch.setattr(pol.gate, "update", lambda *a: [update(*a), None][1])  # the schedule searches itself
+        out = generate(target, pol, prompts, config).requests
+        drafted = sum(1 for r in out for c in r.trace_confidence if c)
+        return [r.output_ids for r in out], [r.trace_verify_len for r in out], len(calls), drafted
+
+    ids, lengths, calls, drafted = run(True)
+    ref_ids, ref_lengths, ref_calls, ref_drafted = run(False)
+    assert ids == ref_ids and lengths == ref_lengths and drafted == ref_drafted > 0
+    assert calls > 0 and ref_calls == 2 * calls
+
+
 def test_draft_gate_remembers_its_back_off_per_batch_size():
     """Where drafting never pays, a batch probes at rounds 0, 2, 5, 10, 19, 36 (back-off 1, 2, 4 …);
     the next batch of the same size probes at once, then backs off as far as the last one ended;

@@ -113,6 +113,7 @@ class DSpark(Policy):
         # Target features of rounds the draft gate skipped, not yet in the draft context: only a drafted
         # round reads the context, so they are appended in one call when drafting resumes (_flush_context).
         self.pending_context: list[tuple[Tensor, Tensor]] = []
+        self._admitted = None  # (confidence, active rows, Algorithm 1's lengths) of the last gated round
         # The batch's temperature is fixed for its life: pick its STS fit and move it once, not per round.
         self.batch_sts = self.sts_temperatures(state.temperature)[: self.gamma].to(state.tokens.device)
         if self.gate is not None:
@@ -133,7 +134,10 @@ class DSpark(Policy):
             raw = conf_logits[:, : self.gamma].float()  # the core records them for STS calibration
             confidence = torch.sigmoid(raw / self.batch_sts)
             if self.gate is not None:
-                self.gate.update(confidence, state.active)
+                admitted = self.gate.update(confidence, state.active)
+                # What Algorithm 1 admits for these confidences, rows and lengths (the gate's own
+                # question); _schedule takes it instead of running the same search again.
+                self._admitted = (confidence, state.active.clone(), admitted)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide (no probs drafted).
         return Draft(tokens=tokens, probs=probs, lengths=lengths,
@@ -171,6 +175,10 @@ class DSpark(Policy):
         # Algorithm 1 (padded=True) hands over B = n·(1 + max ℓ) for the n requests it schedules.
         b = len(active_mask)
         if self.scheduler == "algorithm1":
+            known = getattr(self, "_admitted", None)
+            if known is not None and known[0] is conf and known[2] is not None and torch.equal(known[1], active_mask):
+                out[active] = known[2]  # the draft gate ran this very search (same inputs) in propose()
+                return out
             out[active] = algorithm1_lengths(conf[active], lengths[active], self._sps(b, rows), early_stop=True, padded=True)
             return out
         # Production variant (docs/dspark.md §4.4): capacity from confidences two rounds old (a causal barrier, so
@@ -244,11 +252,13 @@ class DraftGate:
             return True
         return False
 
-    def update(self, confidence: Tensor, active_mask: Tensor) -> None:
-        """Decide, from this round's confidences, whether the *next* rounds draft."""
+    def update(self, confidence: Tensor, active_mask: Tensor) -> Tensor | None:
+        """Decide, from this round's confidences, whether the *next* rounds draft. Returns the
+        lengths the scheduler admits for the active rows (Algorithm 1 with `early_stop`, from the
+        same inputs as the policy's own call), or None when no row is active."""
         active = active_mask.nonzero().flatten()
         if len(active) == 0:
-            return
+            return None
         b, rows = len(active_mask), len(active)
         if self.backoff is None:
             self.backoff = self.backoff_by_rows.get(b, 1)
@@ -268,3 +278,4 @@ class DraftGate:
             self.skip_rounds = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
         self.backoff_by_rows[b] = self.backoff
+        return best
