@@ -120,6 +120,36 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(dim, monkeypa
     assert bool(calls) == (dim == 256)  # the kernels took the verify and the steps where they apply
 
 
+def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(monkeypatch):
+    """b = 16 rows verifying 5 tokens each (80 rows: a chain verify at load) compute each row as 5 AR
+    steps of the same 16 rows do, on a machine whose GEMV takes that many rows in a decode or verify
+    forward (AMX: cpu_kernels.MAX_DECODE_ROWS_AMX); elsewhere both run torch's routes for 80 rows."""
+    model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
+    calls = []
+    layers = cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape) or layers(*a))
+    b, q = 16, 5
+    prefix = torch.randint(0, 96, (b, 6))
+    new = torch.randint(0, 96, (b, q))
+    lengths = torch.full((b,), 6, dtype=torch.long)
+
+    def prefilled():
+        model.setup_cache(b, 32)
+        forward_new_tokens(model, prefix, torch.zeros(b, dtype=torch.long))
+
+    with torch.inference_mode():
+        prefilled()
+        together = forward_new_tokens(model, new, lengths)[0]
+        prefilled()
+        steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], lengths + i)[0] for i in range(q)], dim=1)
+    kernel_rows = cpu_kernels.max_rows(q)
+    if b * q <= kernel_rows:
+        assert torch.equal(together, steps)
+        assert (b, q, 256) in calls
+    else:  # 80 rows on oneDNN's GEMM, 16 on the GEMV: the same function, other roundings
+        assert (together.float() - steps.float()).abs().max() <= 0.05 * steps.float().abs().max()
+
+
 def _attention_reference(xq, k_cache, v_cache, mask):
     b, nh, q, hd = xq.shape
     group, kv_len = nh // k_cache.shape[1], mask.shape[-1]
@@ -156,7 +186,7 @@ def test_attention_kernel_is_as_accurate_as_sdpa_and_row_invariant(nh, nkv, q, h
     assert not cpu_kernels.attend(xq[:1, :, :1].contiguous(), k_cache, v_cache, nothing).any()
     assert not cpu_kernels.attend_applies(torch.zeros(1, nh, cpu_kernels.MAX_ATTEND_TOKENS + 1, hd, dtype=torch.bfloat16),
                                           k_cache, v_cache, mask[:1])
-    over = cpu_kernels.max_rows() // q + 1  # rows beyond the GEMV's: torch's routes for both
+    over = cpu_kernels.max_rows(q) // q + 1  # rows beyond the GEMV's: torch's routes for both
     assert not cpu_kernels.attend_applies(xq[:1].expand(over, -1, -1, -1), k_cache[:1].expand(over, -1, -1, -1),
                                           v_cache[:1].expand(over, -1, -1, -1), mask[:1].expand(over, -1, -1))
     assert not cpu_kernels.attend_applies(torch.zeros(1, nh, cpu_kernels.MAX_ATTEND_TOKENS + 1, hd, dtype=torch.bfloat16),
@@ -273,9 +303,9 @@ def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(m
         model.setup_cache(1, 128)
         forward_new_tokens(model, torch.randint(0, 96, (1, cpu_kernels.max_rows() + 1)), torch.zeros(1, dtype=torch.long))
         assert not calls
-        model.setup_cache(cpu_kernels.max_rows() + 1, 16)  # more rows than the GEMV takes, one token each
-        forward_new_tokens(model, torch.randint(0, 96, (cpu_kernels.max_rows() + 1, 1)),
-                           torch.zeros(cpu_kernels.max_rows() + 1, dtype=torch.long))
+        over = cpu_kernels.max_rows(1) + 1  # more rows than the GEMV takes in a decode step, one token each
+        model.setup_cache(over, 16)
+        forward_new_tokens(model, torch.randint(0, 96, (over, 1)), torch.zeros(over, dtype=torch.long))
         assert not calls
         model.setup_cache(1, 128)
         forward_new_tokens(model, torch.randint(0, 96, (1, 1)), torch.zeros(1, dtype=torch.long))

@@ -555,7 +555,7 @@ class DSparkDrafter(nn.Module):
         bf16 caches, few enough rows; else None."""
         a = self.args.model_args
         rows = ctx.numel() // ctx.shape[-1]
-        if (a.qk_norm or a.attention_bias or not self.k_cache or rows > cpu_kernels.max_rows()
+        if (a.qk_norm or a.attention_bias or not self.k_cache or rows > cpu_kernels.max_rows(cpu_kernels.tokens_per_row(ctx))
                 or not cpu_kernels.applies(ctx, self.k_cache[0], self.v_cache[0])
                 or not (a.dim % 32 == 0 or rows <= cpu_kernels.MAX_ROWS_AVX512)):
             return None

@@ -29,6 +29,14 @@ from torch import Tensor
 # of the default model: 64 with AMX tiles (at 128 oneDNN won on the 49152-row head), 8 with
 # AVX-512 BF16 only, whose 16 rows lost (docs/performance.md "A bf16 GEMV of our own").
 MAX_ROWS_AMX, MAX_ROWS_AVX512 = 64, 8
+# Forwards of at most MAX_ATTEND_TOKENS new tokens a row (decode and verify steps), with AMX, take the
+# GEMV (and the attention kernel) up to this many rows: there the whole forward was as fast or faster
+# than oneDNN's GEMM route (2-core Xeon, session 12, interleaved, context 256: b = 16 × q = 5 52 against
+# 61 ms, 16 × 8 71–74 against 74–76, 32 × 4 83 against 91, 32 × 8 130 against 130), and a verify forward
+# then computes each row as the AR steps it replaces do, which keeps bf16 greedy decoding token-identical
+# at b = 16 (docs/performance.md "Session 12"). Longer forwards (prefill) keep MAX_ROWS_AMX: a 200-token
+# prefill took 86 ms on the GEMV against 74 ms on oneDNN's GEMM.
+MAX_DECODE_ROWS_AMX = 256
 # Forwards of up to this many new tokens per row, and at most `max_rows()` rows in all (where the
 # GEMV's route changes too), attend with `attend` instead of SDPA: AR steps at any batch size up to
 # that, chain verification at small ones. Beyond, both routes are torch's, for AR and verify
@@ -96,11 +104,20 @@ def pack(weight: Tensor) -> Tensor | None:
 
 
 @functools.lru_cache(maxsize=None)
-def max_rows() -> int:
-    """The most rows the GEMV takes (0 where the kernels are unavailable)."""
+def max_rows(tokens: int | None = None) -> int:
+    """The most rows the GEMV takes (0 where the kernels are unavailable), in a forward of `tokens` new
+    tokens a row (None: any forward): with AMX, MAX_DECODE_ROWS_AMX for a decode or verify forward
+    (at most MAX_ATTEND_TOKENS tokens a row), else MAX_ROWS_AMX; MAX_ROWS_AVX512 without AMX."""
     if not available():
         return 0
-    return MAX_ROWS_AMX if torch.ops.specbench_cpu.amx_available() else MAX_ROWS_AVX512
+    if not torch.ops.specbench_cpu.amx_available():
+        return MAX_ROWS_AVX512
+    return MAX_DECODE_ROWS_AMX if tokens is not None and tokens <= MAX_ATTEND_TOKENS else MAX_ROWS_AMX
+
+
+def tokens_per_row(x: Tensor) -> int | None:
+    """New tokens a row of a [b, q, ...features] activation carries (q), None for a flat [rows, K]."""
+    return x.shape[-2] if x.dim() >= 3 else None
 
 
 def gemv_applies(x: Tensor, packed: Tensor | None) -> bool:
@@ -109,7 +126,7 @@ def gemv_applies(x: Tensor, packed: Tensor | None) -> bool:
     if packed is None or not applies(x):
         return False
     rows = x.numel() // x.shape[-1]
-    return rows <= (max_rows() if x.shape[-1] % 32 == 0 else MAX_ROWS_AVX512)
+    return rows <= (max_rows(tokens_per_row(x)) if x.shape[-1] % 32 == 0 else MAX_ROWS_AVX512)
 
 
 def gemv(x: Tensor, packed: Tensor, n: int) -> Tensor:
@@ -137,10 +154,10 @@ def qkv_rope_cache(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache
 
 def attend_applies(xq: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> bool:
     """Whether `attend` may stand in for the SDPA of Attention._attend: bf16 on a CPU, at most
-    MAX_ATTEND_TOKENS new tokens per row and `max_rows()` in all, head size 64 or 128."""
+    MAX_ATTEND_TOKENS new tokens per row and `max_rows(q)` in all, head size 64 or 128."""
     b, nh, q, hd = xq.shape
     return (q <= MAX_ATTEND_TOKENS and hd in (64, 128) and nh % k_cache.shape[1] == 0
-            and mask.dtype == torch.bool and applies(xq, k_cache, v_cache) and b * q <= max_rows())
+            and mask.dtype == torch.bool and applies(xq, k_cache, v_cache) and b * q <= max_rows(q))
 
 
 def attend(xq: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> Tensor:
@@ -162,7 +179,7 @@ def decoder_layers_apply(args, rows: int, tokens: int) -> bool:
     `tokens` new tokens each: gemv_applies' and attend_applies' shape rules for every projection and
     the attention, and no bias or q/k norm (the kernel has neither). Dtype, device, gradient and
     pack freshness are the caller's to check."""
-    if args.attention_bias or args.qk_norm or not available() or rows > max_rows():
+    if args.attention_bias or args.qk_norm or not available() or rows > max_rows(tokens):
         return False
     if tokens > MAX_ATTEND_TOKENS or args.head_dim not in (64, 128) or args.n_heads % args.n_kv_heads:
         return False
