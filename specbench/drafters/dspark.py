@@ -554,10 +554,9 @@ class DSparkDrafter(nn.Module):
         this many rows, rope as apply_rope rounds): bf16 on a CPU, no k norm or projection bias,
         bf16 caches, few enough rows; else None."""
         a = self.args.model_args
-        rows = ctx.numel() // ctx.shape[-1]
-        if (a.qk_norm or a.attention_bias or not self.k_cache or rows > cpu_kernels.max_rows(cpu_kernels.tokens_per_row(ctx))
-                or not cpu_kernels.applies(ctx, self.k_cache[0], self.v_cache[0])
-                or not (a.dim % 32 == 0 or rows <= cpu_kernels.MAX_ROWS_AVX512)):
+        if (a.qk_norm or a.attention_bias or not self.k_cache
+                or not cpu_kernels.gemv_takes(ctx.numel() // ctx.shape[-1], a.dim, cpu_kernels.tokens_per_row(ctx))
+                or not cpu_kernels.applies(ctx, self.k_cache[0], self.v_cache[0])):
             return None
         packs = self._layer_packs_now()
         return packs[6] if packs is not None else None
@@ -569,10 +568,9 @@ class DSparkDrafter(nn.Module):
         if self.markov_w1 is None or not cpu_kernels.applies(base, self.markov_w1.weight):
             return None
         packs = fresh_pack(self.markov_w2.weight, self.markov_w2.gemm_pack)
-        rows, rank = base.shape[0], self.markov_w1.weight.shape[1]
-        if packs is None or packs.gemv is None or rank % 2:
+        if packs is None or packs.gemv is None or not cpu_kernels.gemv_takes(base.shape[0], self.markov_w1.weight.shape[1]):
             return None
-        return packs.gemv if rows <= (cpu_kernels.max_rows() if rank % 32 == 0 else cpu_kernels.MAX_ROWS_AVX512) else None
+        return packs.gemv
 
     @torch.no_grad()
     def draft_block(self, anchor_tokens: Tensor, anchor_positions: Tensor | None, temperature: float,
@@ -591,33 +589,32 @@ class DSparkDrafter(nn.Module):
         base = self.base_logits(h)  # U_k, all slots in parallel
         greedy = temperature <= 0
         w2_pack = self._markov_kernel_pack(base) if greedy and not return_logits and FUSED_MARKOV else None
+        probs, confidence = [], None
         if w2_pack is not None:  # bf16 on a CPU: the greedy loop below in one call, the same tokens
             head = self.confidence_head
             fused_head = head is not None and head.bias is not None and cpu_kernels.applies(head.weight, head.bias, h)
-            tokens, prev_tokens, z = cpu_kernels.markov_draft(
+            tokens, prev_tokens, confidence = cpu_kernels.markov_draft(
                 base, anchor_tokens, self.markov_w1.weight, w2_pack, self.vocab_ids,
                 *((h, head.weight, head.bias) if fused_head else ()))
-            probs = torch.zeros(*tokens.shape, self.args.model_args.vocab_size, dtype=torch.float32,
-                                device=tokens.device).scatter_(2, tokens[..., None], 1.0) if with_probs else None
-            return tokens, probs, z if fused_head else self.confidence_logits(h, prev_tokens)
-        prev = anchor_tokens
-        tokens, probs, logits_out, prevs = [], [], [], []
-        for k in range(self.block_size):  # the sequential part: only a bias per step
-            bias = self.markov_bias(prev)
-            logits = base[:, k] if bias is None else base[:, k] + bias.to(base.dtype)
-            if greedy:  # the argmax: what sampling the one-hot probs_from_logits(·, 0) gives
-                index = greedy_ids(logits)
-            else:
-                p = probs_from_logits(logits, temperature, top_p)
-                index = sample(p, generator)
-                probs.append(p)
-            x = self.to_token_ids(index)
-            prevs.append(prev)
-            tokens.append(x)
-            logits_out.append(logits)
-            prev = x
-        prev_tokens = torch.stack(prevs, dim=1)  # [anchor, x_1..x_{γ−1}]
-        tokens = torch.stack(tokens, dim=1)
+        else:
+            prev = anchor_tokens
+            tokens, logits_out, prevs = [], [], []
+            for k in range(self.block_size):  # the sequential part: only a bias per step
+                bias = self.markov_bias(prev)
+                logits = base[:, k] if bias is None else base[:, k] + bias.to(base.dtype)
+                if greedy:  # the argmax: what sampling the one-hot probs_from_logits(·, 0) gives
+                    index = greedy_ids(logits)
+                else:
+                    p = probs_from_logits(logits, temperature, top_p)
+                    index = sample(p, generator)
+                    probs.append(p)
+                x = self.to_token_ids(index)
+                prevs.append(prev)
+                tokens.append(x)
+                logits_out.append(logits)
+                prev = x
+            prev_tokens = torch.stack(prevs, dim=1)  # [anchor, x_1..x_{γ−1}]
+            tokens = torch.stack(tokens, dim=1)
         if not with_probs:
             probs = None
         else:  # over the target's whole vocabulary: what the verifier compares against
@@ -629,7 +626,9 @@ class DSparkDrafter(nn.Module):
                 probs = full.scatter_(2, self.vocab_ids.to(tokens.device).expand(b, g, -1), torch.stack(probs, dim=1))
             else:
                 probs = torch.stack(probs, dim=1)
-        out = (tokens, probs, self.confidence_logits(h, prev_tokens))
+        if confidence is None:
+            confidence = self.confidence_logits(h, prev_tokens)
+        out = (tokens, probs, confidence)
         return out + (torch.stack(logits_out, dim=1),) if return_logits else out
 
 

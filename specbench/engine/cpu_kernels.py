@@ -120,13 +120,18 @@ def tokens_per_row(x: Tensor) -> int | None:
     return x.shape[-2] if x.dim() >= 3 else None
 
 
+def gemv_takes(rows: int, k: int, tokens: int | None = None) -> bool:
+    """The GEMV's shape rule: `rows` rows of length `k` (even) in a forward of `tokens` new tokens a row
+    (None: a flat [rows, k] input). Where k is not a multiple of 32 the AMX route does not apply and
+    the AVX-512 one takes at most MAX_ROWS_AVX512 rows."""
+    return k % 2 == 0 and rows <= (max_rows(tokens) if k % 32 == 0 else MAX_ROWS_AVX512)
+
+
 def gemv_applies(x: Tensor, packed: Tensor | None) -> bool:
-    """Whether `gemv(x, packed, n)` may stand in for F.linear(x, weight). Where K is not a multiple
-    of 32 the AMX route does not apply and the AVX-512 one takes at most MAX_ROWS_AVX512 rows."""
+    """Whether `gemv(x, packed, n)` may stand in for F.linear(x, weight) (`gemv_takes` for x's shape)."""
     if packed is None or not applies(x):
         return False
-    rows = x.numel() // x.shape[-1]
-    return rows <= (max_rows(tokens_per_row(x)) if x.shape[-1] % 32 == 0 else MAX_ROWS_AVX512)
+    return gemv_takes(x.numel() // x.shape[-1], x.shape[-1], tokens_per_row(x))
 
 
 def gemv(x: Tensor, packed: Tensor, n: int) -> Tensor:
@@ -183,8 +188,7 @@ def decoder_layers_apply(args, rows: int, tokens: int) -> bool:
         return False
     if tokens > MAX_ATTEND_TOKENS or args.head_dim not in (64, 128) or args.n_heads % args.n_kv_heads:
         return False
-    return all(k % 2 == 0 and (k % 32 == 0 or rows <= MAX_ROWS_AVX512)
-               for k in (args.dim, args.n_heads * args.head_dim, args.intermediate_size))
+    return all(gemv_takes(rows, k, tokens) for k in (args.dim, args.n_heads * args.head_dim, args.intermediate_size))
 
 
 def decoder_layers(x: Tensor, input_norms, qkv, o, post_norms, gate_up, down, k_caches, v_caches, cos: Tensor,
