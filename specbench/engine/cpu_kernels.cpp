@@ -15,7 +15,7 @@
 // so one 64-byte load holds a pair of k for 16 features, and VDPBF16PS multiplies it by the same
 // pair of x broadcast to every lane: 16 outputs accumulate side by side in one register, with no
 // horizontal sum. Each thread streams a contiguous run of blocks once for all rows of x (≤ 8 rows
-// share one pass, in registers), prefetching a few KB ahead.
+// share one pass, in registers), prefetching 32 KB ahead into L2 from 5 rows (below).
 //
 // Every output y[m, n] is one fp32 lane summing the pairs of k in increasing order, then rounded
 // to bf16 (round to nearest even). Neither the number of rows of x nor the split over threads
@@ -55,7 +55,14 @@ namespace {
 using bf16 = at::BFloat16;
 constexpr int64_t kBlock = 32;          // output features per block: two registers of 16 lanes
 constexpr int kMaxRows = 8;             // rows of x per pass: 16 accumulators + 2 weight registers
-constexpr int64_t kPrefetch = 4096;     // elements (8 KB) ahead; best of 0/256/1024/2048/4096 measured
+// Software prefetch of the weight stream (this path runs on CPUs without AMX; AMX takes the GEMV elsewhere).
+// Up to 4 rows the hardware prefetchers alone stream fastest; from 5 rows, where a byte of weight costs
+// the most VDPBF16PS work, prefetching into L2 32 KB ahead lets the stream overlap that work. Measured on
+// the 2-core AMD EPYC (Zen 4), the real target's GEMV sequence, 120-200 interleaved repeats against the
+// earlier 8 KB-ahead T0 prefetch at every row count: 1-4 rows 6-7% faster, 8 rows 16% faster
+// (docs/performance.md "Session 13").
+constexpr int kFarPrefetchRows = 5;
+constexpr int64_t kPrefetch = 16384;    // elements (32 KB) ahead, into L2
 
 template <int MT>
 void rows_by_block(const bf16* x, int64_t K, const bf16* block, bf16* y, int64_t N, int64_t n0, bool prefetch) {
@@ -68,9 +75,9 @@ void rows_by_block(const bf16* x, int64_t K, const bf16* block, bf16* y, int64_t
   }
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const bf16* w = block + kp * 2 * kBlock;
-    if (prefetch) {  // never faults, even past the end of the tensor
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 32), _MM_HINT_T0);
+    if (MT >= kFarPrefetchRows && prefetch) {  // never faults, even past the end of the tensor
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 32), _MM_HINT_T1);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
@@ -107,6 +114,7 @@ void any_rows(int rows, const bf16* x, int64_t K, const bf16* block, bf16* y, in
 // ---- AMX ----------------------------------------------------------------------------------------
 
 constexpr int kAmxRows = 16;
+constexpr int64_t kAmxPrefetch = 4096;  // elements (8 KB) ahead, into L1: the best of 4-64 KB and T0/T1/T2 on the AMX Xeon
 
 struct alignas(64) TileConfig {  // the LDTILECFG memory layout (palette 1)
   uint8_t palette_id = 1;
@@ -168,8 +176,8 @@ void gemv_amx(const bf16* xp, const bf16* wp, bf16* yp, int64_t M, int64_t K, in
         for (int64_t k0 = 0; k0 < K; k0 += 32) {
           const bf16* w = block + k0 * kBlock;  // 16 pairs of k × 32 features × 2: 2 KB
           if (c == 0)
-            for (int i = 0; i < 16 * 2 * kBlock; i += 32)  // one line in 64 bytes, kPrefetch ahead
-              _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + i), _MM_HINT_T0);
+            for (int i = 0; i < 16 * 2 * kBlock; i += 32)  // one line in 64 bytes, kAmxPrefetch ahead
+              _mm_prefetch(reinterpret_cast<const char*>(w + kAmxPrefetch + i), _MM_HINT_T0);
           _tile_loadd(0, xs + c * kAmxRows * K + k0, K * 2);
           _tile_loadd(1, w, 4 * kBlock);  // a row of k pairs is 32 features × 2 bf16 = 128 bytes
           _tile_loadd(2, w + kBlock, 4 * kBlock);
