@@ -13,6 +13,7 @@ Measures, for one model shape on one device:
 
 Usage:
   python benchmarks/step_bench.py --shape smollm2-135m --real-weights --device cpu --dtype auto --out results/perf/cpu.json
+  python benchmarks/step_bench.py --shape smollm2-135m --real-weights --dtype auto --paired-floor 40   # phase-matched floor
   python benchmarks/step_bench.py --shape llama-8b --device cuda --dtype bfloat16 --batches 1,256 --out results/perf/h200.json
   python benchmarks/step_bench.py --shape tiny --device cpu   # seconds: checks the script itself
 """
@@ -123,6 +124,34 @@ def fold_exactness(model: Transformer, batch: int, q: int, context: int) -> floa
     return float((folded - plain).abs().max() / plain.abs().max())
 
 
+def paired_floor(model: Transformer, context: int, pairs: int, qs=(1, 8), n_bytes: int = 2**30) -> dict:
+    """On a CPU, `pairs` passes of [a sum over `n_bytes` (the read rate now), then one b = 1 forward at
+    each q]: each step is set against the floor of the read rate measured just before it. A CPU's read
+    rate can switch between levels within seconds (29-31 or 51-59 GB/s on the 2-core EPYC,
+    docs/performance.md "Session 13"), so a floor from the best of a few sums set against a median of
+    steps taken later may compare two machine states; these pairs compare like with like."""
+    buf = torch.rand(n_bytes // 4)
+    buf.sum()
+    fractions, rates, steps = [], [], {q: [] for q in qs}
+    for q in qs:
+        time_forward(model, 1, q, context, iters=0, warmup=2)
+    for _ in range(pairs):
+        start = time.perf_counter()
+        buf.sum()
+        rate = n_bytes / (time.perf_counter() - start)
+        rates.append(rate)
+        for q in qs:
+            (t,) = time_forward(model, 1, q, context, iters=1, warmup=0)
+            steps[q].append(t)
+        fractions.append(floor_ms(model, 1, context, rate) / (1e3 * steps[qs[0]][-1]))
+    med = statistics.median
+    return {"pairs": pairs, "floor_fraction_median": med(fractions),
+            "floor_fraction_quartiles": statistics.quantiles(fractions, n=4)[::2] if pairs > 1 else fractions * 2,
+            "read_rate_gb_s_min_median_max": [min(rates) / 1e9, med(rates) / 1e9, max(rates) / 1e9],
+            "step_ms_median": {str(q): 1e3 * med(v) for q, v in steps.items()},
+            "ratio_to_q1_median": {str(q): med([a / b for a, b in zip(v, steps[qs[0]])]) for q, v in steps.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -137,6 +166,9 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--plain-too", action="store_true", help="also time the plain (unfolded) attention path")
     ap.add_argument("--hf-tokens", type=int, default=0, help="also time transformers.generate for this many tokens at b=1")
+    ap.add_argument("--paired-floor", type=int, default=0, metavar="N",
+                    help="CPU: also N passes of [1 GiB sum, b = 1 steps at q = 1 and 8], each step against the floor "
+                         "of the read rate measured just before it")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -192,6 +224,12 @@ def main() -> None:
     ar = next((s for s in result["steps"] if s["batch"] == 1 and s["q"] == 1 and s["attention"] == "folded"), None)
     if ar is not None:
         result.update(floor_ms_b1=ar["floor_ms"], roofline_fraction_b1=ar["floor_fraction"])
+    if args.paired_floor and not cuda:
+        result["paired_floor"] = paired_floor(model, args.context, args.paired_floor)
+        pf = result["paired_floor"]
+        print(f"paired floor: {100 * pf['floor_fraction_median']:.1f}% of the floor at b=1 q=1 (median of {pf['pairs']} "
+              f"pairs; read rate {pf['read_rate_gb_s_min_median_max'][0]:.1f}-{pf['read_rate_gb_s_min_median_max'][2]:.1f} "
+              f"GB/s); T(8)/T(1) {pf['ratio_to_q1_median']['8']:.3f}", flush=True)
     if args.hf_tokens:
         ours_tps = core_generate_tokens_per_s(model, args.hf_tokens, args.context)
         model.graphed = None

@@ -32,3 +32,36 @@ def test_cached_profile_is_reused_only_for_the_same_engine_code(tmp_path, monkey
     assert profile.load_or_measure_target(target, tmp_path)["marker"] == "new"  # cached now, not measured again
     assert measured == [target.name]
     assert len(profile.engine_digest()) == 12 and profile.engine_digest() == profile.engine_digest()
+
+
+def test_the_engine_digest_covers_the_cpu_kernels_source(tmp_path, monkeypatch):
+    """A change to cpu_kernels.cpp changes step times, so it must change the digest profiles are keyed by."""
+    from pathlib import Path
+
+    engine = Path(profile.__file__).resolve().parent.parent / "engine"
+    before = profile.engine_digest()
+    real_read = Path.read_bytes
+
+    def edited(self):
+        data = real_read(self)
+        return data + b"// edited" if self.name == "cpu_kernels.cpp" and self.parent == engine else data
+
+    monkeypatch.setattr(Path, "read_bytes", edited)
+    assert profile.engine_digest() != before
+
+
+def test_profile_times_the_q_values_of_a_batch_in_turn(monkeypatch):
+    """The grid's q values are timed one forward each per pass, so a change of the machine's read rate
+    during the measurement hits every q alike (the T(q)/T(1) ratios the scheduler reads)."""
+    order = []
+
+    def fake_time_forward(model, batch, q, context, iters=10, warmup=2):
+        order.append((batch, q, iters))
+        return [0.001 * q] * iters
+
+    monkeypatch.setattr(profile, "time_forward", fake_time_forward)
+    data = profile.profile(None, [1, 2], [1, 4, 8], context=16, iters=3)
+    timed = [(b, q) for b, q, n in order if n == 1]
+    assert timed == [(1, 1), (1, 4), (1, 8)] * 3 + [(2, 1), (2, 4), (2, 8)] * 3
+    assert [(e["batch"], e["q"], e["n"], e["median_ms"]) for e in data["entries"]] == [
+        (b, q, 3, q) for b in (1, 2) for q in (1, 4, 8)]

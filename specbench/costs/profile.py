@@ -83,11 +83,23 @@ def floor_ms(model: Transformer, batch: int, context: int, bandwidth: float) -> 
 def profile(model: Transformer, batches: list[int], qs: list[int], context: int, iters: int = 10, progress=None,
             bandwidth: float | None = None) -> dict:
     """The (b, q) cost grid; with `bandwidth` (bytes/s, measured in the same run) each entry also
-    carries its memory floor and the fraction of it reached (floor / median)."""
+    carries its memory floor and the fraction of it reached (floor / median).
+
+    Within a batch size the q values are timed in turn, one forward each per pass, `iters` passes:
+    a CPU's memory read rate can switch between two levels within seconds (a 1 GiB sum read 29-31
+    or 51-59 GB/s on the 2-core EPYC of docs/performance.md "Session 13"), and cells timed one after
+    the other then give T(q)/T(1) ratios that mix two machine states; the scheduler and the draft
+    gate act on those ratios."""
     entries = []
     for b in batches:
+        for q in qs:  # warm-up: the cache allocation and each shape's first forward
+            time_forward(model, b, q, context, iters=0, warmup=2)
+        per_q = {q: [] for q in qs}
+        for _ in range(iters):
+            for q in qs:
+                per_q[q] += time_forward(model, b, q, context, iters=1, warmup=0)
         for q in qs:
-            times = time_forward(model, b, q, context, iters=iters)
+            times = per_q[q]
             entry = {
                 "batch": b, "q": q, "verify_tokens": b * q,
                 "median_ms": 1e3 * statistics.median(times),
@@ -242,7 +254,7 @@ def committed_profiles() -> list[Path]:
     return resources.folders("results/profiles")
 
 
-def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROFILE_QS, iters: int = 5,
+def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROFILE_QS, iters: int = 8,
                     engine_costs: bool = False) -> dict:
     """Measure the target's verify-forward cost grid on its device (tqdm progress); with
     engine_costs also the prefill points and the whole-round grid (module docstring)."""
@@ -306,14 +318,15 @@ def draft_time_model(entries: list[dict]):
 
 
 def engine_digest() -> str:
-    """A short hash of the decode core's source (specbench/engine/*.py and the drafters' modules): a
-    profile measured with other engine code does not describe this one's step times, so cached
-    and committed profiles carry it and are looked up only when it matches."""
+    """A short hash of the decode core's source (specbench/engine/*.py, its C++ kernels and the
+    drafters' modules): a profile measured with other engine code does not describe this one's step
+    times, so cached and committed profiles carry it and are looked up only when it matches."""
     import hashlib
 
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for path in sorted([*(root / "engine").glob("*.py"), *(root / "drafters").glob("*.py")]):
+    for path in sorted([*(root / "engine").glob("*.py"), *(root / "engine").glob("*.cpp"),
+                        *(root / "drafters").glob("*.py")]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
 
