@@ -123,7 +123,8 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(dim, monkeypa
 def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(monkeypatch):
     """b = 16 rows verifying 5 tokens each (80 rows: a chain verify at load) compute each row as 5 AR
     steps of the same 16 rows do, on a machine whose GEMV takes that many rows in a decode or verify
-    forward (AMX: cpu_kernels.MAX_DECODE_ROWS_AMX); elsewhere both run torch's routes for 80 rows."""
+    forward (cpu_kernels.MAX_DECODE_ROWS_AMX / MAX_DECODE_ROWS_AVX512); elsewhere both run torch's routes
+    for 80 rows."""
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
     calls = []
     layers = cpu_kernels.decoder_layers

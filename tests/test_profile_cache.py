@@ -65,3 +65,15 @@ def test_profile_times_the_q_values_of_a_batch_in_turn(monkeypatch):
     assert timed == [(1, 1), (1, 4), (1, 8)] * 3 + [(2, 1), (2, 4), (2, 8)] * 3
     assert [(e["batch"], e["q"], e["n"], e["median_ms"]) for e in data["entries"]] == [
         (b, q, 3, q) for b in (1, 2) for q in (1, 4, 8)]
+
+
+def test_profile_takes_more_passes_of_a_batch_size_until_its_time_budget(monkeypatch):
+    """Cheap (small-batch) cells get extra passes up to max_iters while a batch size has taken less than
+    min_seconds; every q still gets the same number of timings."""
+    clock = iter(range(10_000))
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(profile, "time_forward", lambda model, batch, q, context, iters=10, warmup=2: [0.001] * iters)
+    data = profile.profile(None, [1], [1, 2], context=16, iters=2, min_seconds=5.0, max_iters=64)
+    assert [e["n"] for e in data["entries"]] == [6, 6]  # read at 0, then after passes 2-6: 1 ... 5 s
+    data = profile.profile(None, [1], [1, 2], context=16, iters=2, min_seconds=1e9, max_iters=7)
+    assert [e["n"] for e in data["entries"]] == [7, 7]

@@ -81,7 +81,7 @@ def floor_ms(model: Transformer, batch: int, context: int, bandwidth: float) -> 
 
 
 def profile(model: Transformer, batches: list[int], qs: list[int], context: int, iters: int = 10, progress=None,
-            bandwidth: float | None = None) -> dict:
+            bandwidth: float | None = None, min_seconds: float = 0.0, max_iters: int = 64) -> dict:
     """The (b, q) cost grid; with `bandwidth` (bytes/s, measured in the same run) each entry also
     carries its memory floor and the fraction of it reached (floor / median).
 
@@ -89,15 +89,20 @@ def profile(model: Transformer, batches: list[int], qs: list[int], context: int,
     a CPU's memory read rate can switch between two levels within seconds (a 1 GiB sum read 29-31
     or 51-59 GB/s on the 2-core EPYC of docs/performance.md "Session 13"), and cells timed one after
     the other then give T(q)/T(1) ratios that mix two machine states; the scheduler and the draft
-    gate act on those ratios."""
+    gate act on those ratios. At least `iters` passes, and more (up to `max_iters`) until a batch size
+    has taken `min_seconds`: small batches, whose ratios are a few per cent apart, get more passes
+    for the same time (8 passes of b = 1 on that EPYC put T(2)/T(1) at 1.15 and T(4)/T(1) above
+    T(8)/T(1); 40 gave 1.00-1.01 and 1.06-1.10 below 1.16-1.19, three times over)."""
     entries = []
     for b in batches:
         for q in qs:  # warm-up: the cache allocation and each shape's first forward
             time_forward(model, b, q, context, iters=0, warmup=2)
         per_q = {q: [] for q in qs}
-        for _ in range(iters):
+        start, passes = time.perf_counter(), 0
+        while passes < iters or (passes < max_iters and time.perf_counter() - start < min_seconds):
             for q in qs:
                 per_q[q] += time_forward(model, b, q, context, iters=1, warmup=0)
+            passes += 1
         for q in qs:
             times = per_q[q]
             entry = {
@@ -255,7 +260,7 @@ def committed_profiles() -> list[Path]:
 
 
 def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROFILE_QS, iters: int = 8,
-                    engine_costs: bool = False) -> dict:
+                    engine_costs: bool = False, min_seconds: float = 2.0) -> dict:
     """Measure the target's verify-forward cost grid on its device (tqdm progress); with
     engine_costs also the prefill points and the whole-round grid (module docstring)."""
     from tqdm import tqdm
@@ -266,7 +271,8 @@ def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROF
     points = len(batches) * len(qs) * (2 if engine_costs else 1)
     bandwidth = streaming_bandwidth(device)
     with tqdm(total=points, desc=f"profiling {target.name} on {device}", unit="point") as bar:
-        data = profile(target.model, list(batches), list(qs), context, iters=iters, progress=bar, bandwidth=bandwidth)
+        data = profile(target.model, list(batches), list(qs), context, iters=iters, progress=bar, bandwidth=bandwidth,
+                       min_seconds=min_seconds)
         if engine_costs:
             data["round"] = measure_rounds(target.model, list(batches), list(qs), context, progress=bar)
             data["prefill"] = measure_prefill(target.model)
@@ -319,14 +325,15 @@ def draft_time_model(entries: list[dict]):
 
 def engine_digest() -> str:
     """A short hash of the decode core's source (specbench/engine/*.py, its C++ kernels and the
-    drafters' modules): a profile measured with other engine code does not describe this one's step
-    times, so cached and committed profiles carry it and are looked up only when it matches."""
+    drafters' modules) and of this module, which measures it: a profile measured with other engine
+    code, or measured another way, does not describe this one's step times, so cached and committed
+    profiles carry it and are looked up only when it matches."""
     import hashlib
 
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for path in sorted([*(root / "engine").glob("*.py"), *(root / "engine").glob("*.cpp"),
-                        *(root / "drafters").glob("*.py")]):
+                        *(root / "drafters").glob("*.py"), Path(__file__).resolve()]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
 

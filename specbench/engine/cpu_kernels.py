@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 # Up to this many rows the GEMV took no more time than oneDNN's pre-packed GEMM on the projections
-# of the default model: 64 with AMX tiles (at 128 oneDNN won on the 49152-row head), 8 with
-# AVX-512 BF16 only, whose 16 rows lost (docs/performance.md "A bf16 GEMV of our own").
+# of the default model on the AMX Xeon: 64 with AMX tiles (at 128 oneDNN won on the 49152-row head), 8
+# with AVX-512 BF16 only, whose 16 rows lost to oneDNN's AMX GEMM (docs/performance.md "A bf16 GEMV of
+# our own"). Decode and verify forwards take more: MAX_DECODE_ROWS_*.
 MAX_ROWS_AMX, MAX_ROWS_AVX512 = 64, 8
 # Forwards of at most MAX_ATTEND_TOKENS new tokens a row (decode and verify steps), with AMX, take the
 # GEMV (and the attention kernel) up to this many rows: there the whole forward was as fast or faster
@@ -37,6 +38,13 @@ MAX_ROWS_AMX, MAX_ROWS_AVX512 = 64, 8
 # at b = 16 (docs/performance.md "Session 12"). Longer forwards (prefill) keep MAX_ROWS_AMX: a 200-token
 # prefill took 86 ms on the GEMV against 74 ms on oneDNN's GEMM.
 MAX_DECODE_ROWS_AMX = 256
+# Without AMX the same holds up to this many rows: oneDNN's bf16 GEMM has no tiles either there, and on
+# the 2-core AMD EPYC (Zen 4, AVX-512 BF16) the GEMV, in passes of 8 rows over a block held in cache, beat
+# it at every row count measured, over the real target's projections (16 rows 14.9 against 27.2 ms,
+# 32 rows 25.6 against 35.2, 64 rows 49 against 68, 128 rows 100 against 115; docs/performance.md
+# "Session 13"), and the whole b = 16 decode step went from 59 to ~18 ms once the attention kernel and
+# the one-call layers came with it. Prefill keeps MAX_ROWS_AVX512.
+MAX_DECODE_ROWS_AVX512 = 128
 # Forwards of up to this many new tokens per row, and at most `max_rows()` rows in all (where the
 # GEMV's route changes too), attend with `attend` instead of SDPA: AR steps at any batch size up to
 # that, chain verification at small ones. Beyond, both routes are torch's, for AR and verify
@@ -106,13 +114,15 @@ def pack(weight: Tensor) -> Tensor | None:
 @functools.lru_cache(maxsize=None)
 def max_rows(tokens: int | None = None) -> int:
     """The most rows the GEMV takes (0 where the kernels are unavailable), in a forward of `tokens` new
-    tokens a row (None: any forward): with AMX, MAX_DECODE_ROWS_AMX for a decode or verify forward
-    (at most MAX_ATTEND_TOKENS tokens a row), else MAX_ROWS_AMX; MAX_ROWS_AVX512 without AMX."""
+    tokens a row (None: any forward): for a decode or verify forward (at most MAX_ATTEND_TOKENS tokens
+    a row) MAX_DECODE_ROWS_AMX with AMX, MAX_DECODE_ROWS_AVX512 without; else MAX_ROWS_AMX /
+    MAX_ROWS_AVX512."""
     if not available():
         return 0
+    decode = tokens is not None and tokens <= MAX_ATTEND_TOKENS
     if not torch.ops.specbench_cpu.amx_available():
-        return MAX_ROWS_AVX512
-    return MAX_DECODE_ROWS_AMX if tokens is not None and tokens <= MAX_ATTEND_TOKENS else MAX_ROWS_AMX
+        return MAX_DECODE_ROWS_AVX512 if decode else MAX_ROWS_AVX512
+    return MAX_DECODE_ROWS_AMX if decode else MAX_ROWS_AMX
 
 
 def tokens_per_row(x: Tensor) -> int | None:
@@ -122,9 +132,12 @@ def tokens_per_row(x: Tensor) -> int | None:
 
 def gemv_takes(rows: int, k: int, tokens: int | None = None) -> bool:
     """The GEMV's shape rule: `rows` rows of length `k` (even) in a forward of `tokens` new tokens a row
-    (None: a flat [rows, k] input). Where k is not a multiple of 32 the AMX route does not apply and
-    the AVX-512 one takes at most MAX_ROWS_AVX512 rows."""
-    return k % 2 == 0 and rows <= (max_rows(tokens) if k % 32 == 0 else MAX_ROWS_AVX512)
+    (None: a flat [rows, k] input). On an AMX machine, where k is not a multiple of 32 the AMX route
+    does not apply and the AVX-512 one takes at most MAX_ROWS_AVX512 rows."""
+    limit = max_rows(tokens)
+    if k % 32 and limit and torch.ops.specbench_cpu.amx_available():
+        limit = min(limit, MAX_ROWS_AVX512)  # the AVX-512 route, whose limit beside AMX's GEMM is its own
+    return k % 2 == 0 and rows <= limit
 
 
 def gemv_applies(x: Tensor, packed: Tensor | None) -> bool:
