@@ -77,3 +77,24 @@ def test_profile_takes_more_passes_of_a_batch_size_until_its_time_budget(monkeyp
     assert [e["n"] for e in data["entries"]] == [6, 6]  # read at 0, then after passes 2-6: 1 ... 5 s
     data = profile.profile(None, [1], [1, 2], context=16, iters=2, min_seconds=1e9, max_iters=7)
     assert [e["n"] for e in data["entries"]] == [7, 7]
+
+
+def test_drafter_cost_takes_more_rounds_until_its_time_budget(monkeypatch):
+    """measure_drafter: at least `iters` timed rounds after one warm-up, more until a batch size has taken
+    `min_seconds`, never more than `max_iters`."""
+    import types
+
+    import torch
+
+    calls = []
+    fake = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
+                                 args=types.SimpleNamespace(model_args=types.SimpleNamespace(vocab_size=7)),
+                                 setup_cache=lambda b, n: None, append_context=lambda f: None,
+                                 draft_block=lambda anchors, probs, temperature: calls.append(len(anchors)))
+    clock = iter(range(100_000))
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: float(next(clock)))
+    out = profile.measure_drafter(fake, 4, [1, 2], context=3, iters=2, min_seconds=9.0, max_iters=50)
+    assert [e["n"] for e in out] == [3, 3]  # the clock moves 3 s a round: 9 s after 3 timed rounds
+    assert calls == [1] * 4 + [2] * 4  # one warm-up round each
+    out = profile.measure_drafter(fake, 4, [1], context=3, iters=2, min_seconds=1e9, max_iters=5)
+    assert [e["n"] for e in out] == [5]
