@@ -55,7 +55,7 @@ namespace {
 using bf16 = at::BFloat16;
 constexpr int64_t kBlock = 32;          // output features per block: two registers of 16 lanes
 constexpr int kMaxRows = 8;             // rows of x per pass: 16 accumulators + 2 weight registers
-// Software prefetch of the weight stream (this path runs on CPUs without AMX; AMX takes the GEMV elsewhere).
+// Software prefetch of the weight stream (the route of CPUs without AMX, and beside AMX of K not a multiple of 32).
 // Up to 4 rows the hardware prefetchers alone stream fastest; from 5 rows, where a byte of weight costs
 // the most VDPBF16PS work, prefetching into L2 32 KB ahead lets the stream overlap that work. Measured on
 // the 2-core AMD EPYC (Zen 4), the real target's GEMV sequence, 120-200 interleaved repeats against the

@@ -42,7 +42,7 @@ MAX_DECODE_ROWS_AMX = 256
 # the 2-core AMD EPYC (Zen 4, AVX-512 BF16) the GEMV, in passes of 8 rows over a block held in cache, beat
 # it at every row count measured, over the real target's projections (16 rows 14.9 against 27.2 ms,
 # 32 rows 25.6 against 35.2, 64 rows 49 against 68, 128 rows 100 against 115; docs/performance.md
-# "Session 13"), and the whole b = 16 decode step went from 59 to ~18 ms once the attention kernel and
+# "Session 13"), and a whole b = 16 decode step went from 56.8 to 26.6 ms once the attention kernel and
 # the one-call layers came with it. Prefill keeps MAX_ROWS_AVX512.
 MAX_DECODE_ROWS_AVX512 = 128
 # Forwards of up to this many new tokens per row, and at most `max_rows()` rows in all (where the
