@@ -515,3 +515,39 @@ def test_a_context_append_on_the_kernels_writes_the_loops_cache(monkeypatch):
     assert torch.equal(fused_len, ref_len) and fused_len.tolist() == [6, 4, 4]
     assert all(torch.equal(a, b) for a, b in zip(fused, ref))
     assert fused[0][:, :, :6].abs().sum() > 0
+
+
+@pytest.mark.parametrize("draft_vocab", [40, 0])
+def test_a_drafting_round_in_one_call_gives_the_bits_of_append_and_draft_block(draft_vocab, monkeypatch):
+    """dspark.FUSED_ROUND: DSparkDrafter.draft_round (a greedy round: the last rounds' features join the
+    context, then draft_block) in one kernel call gives the two-call path's tokens, one-hot probs and
+    confidence logits bit for bit, and leaves the same context cache and lengths, over ragged rounds and
+    a round with nothing to append. Without a reduced draft vocabulary (F.linear's head) it is not used."""
+    from specbench.drafters import dspark
+
+    drafter, g = _random_dspark(8, draft_vocab, block=4)
+    calls = []
+    fused_round = cpu_kernels.dspark_round
+    monkeypatch.setattr(cpu_kernels, "dspark_round", lambda *a: calls.append(1) or fused_round(*a))
+    prompt = torch.randn(3, 12, 3 * 256, generator=g).bfloat16()
+    rounds = [(torch.randn(3, 2, 3 * 256, generator=g).bfloat16(), torch.tensor(c)) for c in ([1, 2, 2], [2, 0, 1])]
+    rounds.append((None, None))
+    anchors = torch.tensor([7, 42, 3])
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(dspark, "FUSED_ROUND", fused)
+        with torch.inference_mode():
+            drafter.setup_cache(3, 40)
+            for c in drafter.k_cache + drafter.v_cache:
+                c.zero_()
+            drafter.append_context(prompt, torch.tensor([12, 9, 5]))
+            outs = [drafter.draft_round(features, counts, anchors, 0.0, with_probs=True) for features, counts in rounds]
+            runs.append((outs, [c[:, :, :drafter.max_ctx].clone() for c in drafter.k_cache + drafter.v_cache],
+                         drafter.ctx_len.clone()))
+    assert len(calls) == (len(rounds) if draft_vocab else 0)
+    (outs, cache, lengths), (ref_outs, ref_cache, ref_lengths) = runs
+    assert torch.equal(lengths, ref_lengths) and lengths.tolist() == [15, 11, 8]
+    assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
+    for (tokens, probs, z), (ref_tokens, ref_probs, ref_z) in zip(outs, ref_outs):
+        assert torch.equal(tokens, ref_tokens) and torch.equal(probs, ref_probs) and torch.equal(z, ref_z)
+    assert len(set(torch.cat([o[0] for o in outs]).flatten().tolist())) > 3  # the drafts are not all one token

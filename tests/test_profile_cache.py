@@ -90,7 +90,9 @@ def test_drafter_cost_takes_more_rounds_until_its_time_budget(monkeypatch):
     fake = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
                                  args=types.SimpleNamespace(model_args=types.SimpleNamespace(vocab_size=7)),
                                  setup_cache=lambda b, n: None, append_context=lambda f: None,
-                                 draft_block=lambda anchors, probs, temperature: calls.append(len(anchors)))
+                                 ctx_len=torch.zeros(2, dtype=torch.long),
+                                 draft_round=lambda features, counts, anchors, temperature, with_probs:
+                                 calls.append(len(anchors)))
     clock = iter(range(100_000))
     monkeypatch.setattr(profile.time, "perf_counter", lambda: float(next(clock)))
     out = profile.measure_drafter(fake, 4, [1, 2], context=3, iters=2, min_seconds=9.0, max_iters=50)

@@ -20,6 +20,7 @@ step at b = 1 is bound by streaming its weights, so time above the floor is over
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -145,6 +146,7 @@ def step_time_model(profile_data: dict):
                 break
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # the last segment extrapolates
 
+    @functools.lru_cache(maxsize=65536)  # Algorithm 1 and the draft gate ask for the same few cells every round
     def seconds(rows: int, q: int) -> float:
         per_batch = [(b, interp(grid[b], q)) for b in batches]
         return max(interp(per_batch, rows), 1e-9)
@@ -288,26 +290,31 @@ def measure_profile(target, context: int = 256, batches=PROFILE_BATCHES, qs=PROF
 @torch.inference_mode()
 def measure_drafter(draft_model, taps_dim: int, batches, context: int = 256, iters: int = 5,
                     min_seconds: float = 1.0, max_iters: int = 64) -> list[dict]:
-    """Seconds per drafting round of a block drafter (DSpark/DFlash: backbone, Markov loop,
-    confidence) at each batch size, with `context` committed tokens per row: at least `iters` rounds,
-    more (up to `max_iters`) until a batch size has taken `min_seconds` (5 rounds of b = 1 on the
-    2-core EPYC gave 2.9 ms in one run and 4.0 ms in another; the draft gate weighs this cost against
-    a verify forward's few per cent)."""
+    """Seconds per drafting round of a block drafter at each batch size, as DSpark's policy runs one in
+    greedy decoding (draft_round: the last round's features, 2 tokens a row, join the context of
+    `context` committed tokens, then the backbone, Markov loop and confidence head): at least `iters`
+    rounds, more (up to `max_iters`) until a batch size has taken `min_seconds` (5 rounds of b = 1 on
+    the 2-core EPYC gave 2.9 ms in one run and 4.0 ms in another; the draft gate weighs this cost
+    against a verify forward's few per cent). A sampled round (temperature > 0) costs more: its Markov
+    loop runs in Python."""
     device = draft_model.device
     out = []
     for b in batches:
         draft_model.setup_cache(b, round_to_bucket(context + 64))
         features = torch.randn(b, context, taps_dim, device=device, dtype=draft_model.dtype)
         draft_model.append_context(features)
+        committed = torch.randn(b, 2, taps_dim, device=device, dtype=draft_model.dtype)
+        counts = torch.full((b,), 2, dtype=torch.long, device=device)
         anchors = torch.randint(0, draft_model.args.model_args.vocab_size, (b,), device=device)
         times = []
         begin = time.perf_counter()
         for i in range(max(iters, max_iters) + 1):
             if i > iters and time.perf_counter() - begin >= min_seconds:
                 break
+            draft_model.ctx_len.fill_(context)  # every round appends after the same context
             synchronize(device)
             start = time.perf_counter()
-            draft_model.draft_block(anchors, None, 1.0)
+            draft_model.draft_round(committed, counts, anchors, 0.0, with_probs=False)
             synchronize(device)
             if i:
                 times.append(time.perf_counter() - start)
@@ -319,6 +326,7 @@ def draft_time_model(entries: list[dict]):
     """batch → seconds per drafting round, piecewise linear in the batch size."""
     points = sorted((e["batch"], e["median_ms"] / 1e3) for e in entries)
 
+    @functools.lru_cache(maxsize=4096)
     def seconds(rows: int) -> float:
         if len(points) == 1:
             return points[0][1]

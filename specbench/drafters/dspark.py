@@ -49,8 +49,8 @@ from torch import Tensor, nn
 
 from specbench.errors import UserError
 from specbench.engine import cpu_kernels
-from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
-                                    pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
+from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, Snapshot, apply_rope, fresh_pack,
+                                    linear, pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
@@ -60,6 +60,9 @@ FUSED_BLOCK = True
 # bf16 on a CPU at temperature 0: the Markov head's sequential loop in one kernel call
 # (cpu_kernels.markov_draft, the same tokens). Tests switch it off to compare.
 FUSED_MARKOV = True
+# bf16 on a CPU at temperature 0: a whole drafting round (context append + draft_block) in one kernel
+# call (DSparkDrafter.draft_round, the same bits). Tests switch it off to compare.
+FUSED_ROUND = True
 
 
 @dataclass
@@ -493,11 +496,11 @@ class DSparkDrafter(nn.Module):
         """Per layer: the norm weights and the GEMV packs of q|k|v, o, gate|up, down (the block
         pass's cpu_kernels.decoder_layers) and of k|v (the context append), or None where a weight
         is not bf16 on a CPU. Packed as one matrix each (copies, so training's parameters stay as
-        they are), cached until any weight changes."""
-        params = list(self.parameters())
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if self._layer_packs is None or self._layer_packs[0] != key:
-            lists = tuple([] for _ in range(7)) if cpu_kernels.applies(*params) else None
+        they are), cached until any parameter is replaced or written (a Snapshot of every module's
+        parameters: walking self.parameters() each call cost ~0.1 ms, twice a round)."""
+        if self._layer_packs is None or not self._layer_packs[0].holds():
+            snapshot = Snapshot([(m._parameters, name, True) for m in self.modules() for name in m._parameters])
+            lists = tuple([] for _ in range(7)) if cpu_kernels.applies(*snapshot.tensors) else None
             for layer in self.layers if lists is not None else ():
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -510,7 +513,7 @@ class DSparkDrafter(nn.Module):
                 for out, t in zip(lists, (layer.input_layernorm.weight, packs[0], packs[1],
                                           layer.post_attention_layernorm.weight, packs[2], packs[3], packs[4])):
                     out.append(t)
-            self._layer_packs = (key, lists)  # None too: not rebuilt until a weight changes
+            self._layer_packs = (snapshot, lists)  # None too: not rebuilt until a weight changes
         return self._layer_packs[1]
 
     @torch.no_grad()
@@ -630,6 +633,77 @@ class DSparkDrafter(nn.Module):
             confidence = self.confidence_logits(h, prev_tokens)
         out = (tokens, probs, confidence)
         return out + (torch.stack(logits_out, dim=1),) if return_logits else out
+
+    @torch.no_grad()
+    def draft_round(self, features: Tensor | None, counts: Tensor | None, anchor_tokens: Tensor, temperature: float,
+                    top_p: float = 1.0, generator: torch.Generator | None = None, with_probs: bool = True):
+        """A policy's drafting round: append_context(features, counts) (None: nothing new), then
+        draft_block(anchor_tokens, None, ...), with draft_block's return. bf16 on a CPU at temperature 0,
+        where every step would take its kernel route, both run in one kernel call
+        (cpu_kernels.dspark_round) with the same bits: the Python between the kernels cost about as much
+        as the kernels (docs/performance.md "Session 14")."""
+        b = anchor_tokens.shape[0]
+        fused = self._round_kernel_args(features, b) if temperature <= 0 and FUSED_ROUND else None
+        if fused is None:
+            if features is not None:
+                self.append_context(features, counts=counts)
+            return self.draft_block(anchor_tokens, None, temperature, top_p, generator, with_probs=with_probs)
+        if features is not None and int((self.ctx_len[:b] + counts).max()) > self.max_ctx:
+            raise ValueError(f"draft context cache overflow (capacity {self.max_ctx}); call setup_cache with more room")
+        a = self.args.model_args
+        tokens, _, confidence = cpu_kernels.dspark_round(
+            features, counts.long() if counts is not None else None, self.ctx_len, *fused, anchor_tokens, self.embed_weight, self.mask_embedding,
+            self._layer_packs[1][:6], self.k_cache, self.v_cache, self.inv_freq, self.norm.weight,
+            self._draft_head[2].gemv, self.draft_vocab_size, self.markov_w1.weight, self._markov_w2_pack,
+            self.vocab_ids, self.confidence_head.weight, self.confidence_head.bias, a.norm_eps, a.n_heads,
+            a.n_kv_heads, a.head_dim, a.intermediate_size, self.block_size, self.max_ctx)
+        probs = None
+        if with_probs:  # one-hot over the target's vocabulary, as draft_block gives at temperature 0
+            probs = torch.zeros(b, self.block_size, a.vocab_size, dtype=torch.float32, device=tokens.device)
+            probs.scatter_(2, tokens[..., None], 1.0)
+        return tokens, probs, confidence
+
+    def _round_kernel_args(self, features: Tensor | None, b: int) -> tuple | None:
+        """(fc pack, hidden_norm weight, per-layer k|v packs) for draft_round's one call, where each of
+        its steps would take the kernel route in append_context and draft_block (the same checks, so
+        the same bits) and neither method is overridden; else None. Leaves the packs it checked in
+        self._layer_packs, self._draft_head and self._markov_w2_pack."""
+        cls = type(self)
+        if (cls.draft_block is not DSparkDrafter.draft_block or cls.append_context is not DSparkDrafter.append_context
+                or "draft_block" in self.__dict__ or "append_context" in self.__dict__
+                or not (FUSED_BLOCK and FUSED_MARKOV) or self.markov_w1 is None or self.vocab_ids is None
+                or torch.is_autocast_enabled("cpu")):
+            return None
+        a, g = self.args.model_args, self.block_size
+        head = self.confidence_head
+        if (head is None or head.bias is None or a.qk_norm or a.attention_bias or not self.k_cache
+                or not cpu_kernels.decoder_layers_apply(a, b * g, g)):
+            return None
+        tensors = [self.embed_weight, self.mask_embedding, self.norm.weight, head.weight, head.bias,
+                   self.markov_w1.weight, self.k_cache[0], self.v_cache[0]]
+        if features is not None:
+            tensors += [features, self.hidden_norm.weight]
+        if not cpu_kernels.applies(*tensors):
+            return None
+        packs = self._layer_packs_now()
+        if packs is None:
+            return None
+        rows = self.draft_head_weight()
+        head_pack = fresh_pack(rows, self._draft_head[2])
+        w2 = fresh_pack(self.markov_w2.weight, self.markov_w2.gemm_pack)
+        if (rows.dtype != torch.bfloat16 or head_pack is None or head_pack.gemv is None or w2 is None
+                or w2.gemv is None or not cpu_kernels.gemv_takes(b * g, a.dim, g)
+                or not cpu_kernels.gemv_takes(b, self.markov_w1.weight.shape[1])):
+            return None
+        self._markov_w2_pack = w2.gemv
+        if features is None:
+            return None, None, []
+        n = features.shape[1]
+        fc = fresh_pack(self.fc.weight, self.fc.gemm_pack)
+        if (self.fc.bias is not None or fc is None or fc.gemv is None
+                or not cpu_kernels.gemv_takes(b * n, features.shape[-1], n) or not cpu_kernels.gemv_takes(b * n, a.dim, n)):
+            return None
+        return fc.gemv, self.hidden_norm.weight, packs[6]
 
 
 # ----------------------------------------------------------------------------------------------

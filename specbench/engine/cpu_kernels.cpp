@@ -36,7 +36,8 @@
 // 3. attend_bf16: attention of a few new queries per row over the cache, in place of SDPA for
 // decode and verify forwards; 4. silu_mul_bf16: the MLP's silu(gate) · up; 5. decoder_layers_bf16:
 // every layer in one call; 6. argmax_bf16: greedy ids; 7. markov_draft_bf16: DSpark's greedy Markov
-// head (all below, before the operator registrations).
+// head; 8. dspark_round_bf16: a whole greedy DSpark drafting round (all below, before the operator
+// registrations).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -775,6 +776,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
   }
   return {tokens, prevs, z};
 }
+
+// 8. dspark_round_bf16: a DSpark drafting round at temperature 0 in one call (drafters/dspark.py:
+// draft_round = append_context, then draft_block, on their kernel routes). The Python between those
+// kernels (route checks, rope, masks, views: ~40 torch calls) cost about as much as the kernels
+// themselves, ~1.3 ms a round on the 2-core EPYC (docs/performance.md "Session 14"). Same kernels, same
+// order, and the few torch ops (rope's cos / sin, the slots and the mask) as ATen calls with
+// model.py's arguments, so the same bits as the Python path (tests/test_cpu_kernels.py).
+
+// model.py's rope_cos_sin: cos / sin [b, q, 1, hd] of positions [b, q].
+std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& inv_freq, const at::Tensor& positions) {
+  at::Tensor angles = positions.unsqueeze(-1).to(at::kFloat) * inv_freq;
+  angles = at::cat({angles, angles}, -1);
+  return {angles.cos().to(at::kBFloat16).unsqueeze(2), angles.sin().to(at::kBFloat16).unsqueeze(2)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dspark_round_bf16(
+    const at::Tensor& features, const at::Tensor& counts, at::Tensor ctx_len, const at::Tensor& fc,
+    const at::Tensor& hidden_norm, at::TensorList kv, const at::Tensor& anchors, const at::Tensor& embed,
+    const at::Tensor& mask_embedding, at::TensorList input_norms, at::TensorList qkv, at::TensorList o,
+    at::TensorList post_norms, at::TensorList gate_up, at::TensorList down, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& inv_freq, const at::Tensor& norm, const at::Tensor& head,
+    int64_t head_rows, const at::Tensor& markov_w1, const at::Tensor& markov_w2, const at::Tensor& vocab_ids,
+    const at::Tensor& conf_weight, const at::Tensor& conf_bias, double eps, int64_t nh, int64_t nkv, int64_t hd,
+    int64_t intermediate, int64_t block, int64_t max_ctx) {
+  TORCH_CHECK(anchors.dim() == 1 && ctx_len.scalar_type() == at::kLong && ctx_len.size(0) >= anchors.size(0) && block >= 1,
+              "dspark_round_bf16: anchors [b], ctx_len [>= b] int64");
+  const int64_t b = anchors.size(0), d = embed.size(1);
+  at::Tensor lens = ctx_len.narrow(0, 0, b);  // a view: the appends below advance the drafter's ctx_len
+  // append_context(features, counts): context entries at slots ctx_len + i (padding → the sink slot max_ctx).
+  if (features.numel() > 0) {
+    TORCH_CHECK(features.dim() == 3 && features.size(0) == b && counts.numel() == b && counts.scalar_type() == at::kLong &&
+                kv.size() == k_caches.size() && kv.size() == v_caches.size(),
+                "dspark_round_bf16: features [b, n, m·d], counts [b] int64, one k|v pack per cache pair");
+    const int64_t n = features.size(1);
+    const at::Tensor offsets = at::arange(n, lens.options()).unsqueeze(0);
+    const at::Tensor positions = lens.unsqueeze(1) + offsets;
+    const at::Tensor slots = at::where(offsets < counts.unsqueeze(1), positions, at::Scalar(max_ctx));
+    const at::Tensor ctx = rms_norm_bf16(linear_rows(features, fc, d), hidden_norm, eps);
+    const auto cs = rope_cos_sin(inv_freq, positions);
+    for (size_t i = 0; i < kv.size(); ++i)
+      qkv_rope_cache_bf16(linear_rows(ctx, kv[i], 2 * nkv * hd), cs.first, cs.second, slots, k_caches[i], v_caches[i],
+                          0, nkv, hd);
+    lens.add_(counts);
+  }
+  // draft_block(anchors): block_hidden (the anchor's embedding, then block − 1 mask vectors, attending to
+  // the context and the whole block), the draft head's logits, the Markov head and the confidence head.
+  const at::Tensor x = at::cat({at::embedding(embed, anchors).unsqueeze(1), mask_embedding.expand({b, block - 1, d})}, 1);
+  const at::Tensor slots = lens.unsqueeze(1) + at::arange(block, lens.options()).unsqueeze(0);
+  const int64_t kv_len = lens.max().item<int64_t>() + block;
+  const at::Tensor visible =
+      (at::arange(kv_len, lens.options()).unsqueeze(0) < (lens + block).unsqueeze(1)).unsqueeze(1).expand({b, block, kv_len});
+  const auto cs = rope_cos_sin(inv_freq, slots);
+  const at::Tensor out = std::get<0>(decoder_layers_bf16(x, input_norms, qkv, o, post_norms, gate_up, down, k_caches,
+                                                         v_caches, cs.first, cs.second, slots, visible, eps, nh, nkv,
+                                                         hd, intermediate, {}));
+  const at::Tensor h = rms_norm_bf16(out, norm, eps);
+  return markov_draft_bf16(linear_rows(h, head, head_rows), anchors, markov_w1, markov_w2, vocab_ids, h, conf_weight,
+                           conf_bias);
+}
 }  // namespace
 
 TORCH_LIBRARY(specbench_cpu, m) {
@@ -792,6 +852,12 @@ TORCH_LIBRARY(specbench_cpu, m) {
   m.def("decoder_layers_bf16(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor[] o, Tensor[] post_norms, "
         "Tensor[] gate_up, Tensor[] down, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
         "Tensor slots, Tensor mask, float eps, int nh, int nkv, int hd, int intermediate, int[] taps) -> (Tensor, Tensor[])");
+  m.def("dspark_round_bf16(Tensor features, Tensor counts, Tensor(a!) ctx_len, Tensor fc, Tensor hidden_norm, "
+        "Tensor[] kv, Tensor anchors, Tensor embed, Tensor mask_embedding, Tensor[] input_norms, Tensor[] qkv, "
+        "Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(b!)[] k_caches, "
+        "Tensor(c!)[] v_caches, Tensor inv_freq, Tensor norm, Tensor head, int head_rows, Tensor markov_w1, "
+        "Tensor markov_w2, Tensor vocab_ids, Tensor conf_weight, Tensor conf_bias, float eps, int nh, int nkv, "
+        "int hd, int intermediate, int block, int max_ctx) -> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("gemv_bf16", gemv_bf16);
@@ -803,4 +869,5 @@ TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("argmax_bf16", argmax_bf16);
   m.impl("markov_draft_bf16", markov_draft_bf16);
   m.impl("decoder_layers_bf16", decoder_layers_bf16);
+  m.impl("dspark_round_bf16", dspark_round_bf16);
 }

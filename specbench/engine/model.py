@@ -11,6 +11,7 @@ loads with `load_state_dict` as it is.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -421,6 +422,35 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
 
+_version = operator.attrgetter("_version")
+
+
+class Snapshot:
+    """What a cached outcome read (Transformer._kernel_stack, DSparkDrafter._layer_packs_now): slots
+    (a holder's dict, a name, whether to watch the tensor's contents) with the object each held, and
+    each watched tensor's storage and version counter. `holds()` is True while every slot holds the
+    same object and no watched tensor was written in place (also through a view: a view shares its
+    base's counter) or given new storage (`.data =`).
+
+    Checked per forward, so with map() over built-ins rather than a Python loop: the target's ~750
+    slots cost ~0.25 ms a forward as a generator expression on the 2-core EPYC (docs/performance.md,
+    "Session 14")."""
+
+    def __init__(self, slots: list[tuple[dict, str, bool]]):
+        self.dicts = [d for d, _, _ in slots]
+        self.names = [name for _, name, _ in slots]
+        self.objects = list(map(dict.get, self.dicts, self.names))
+        watched = {id(t): t for t, (_, _, watch) in zip(self.objects, slots) if watch and isinstance(t, Tensor)}
+        self.tensors = list(watched.values())
+        self.storages = list(map(Tensor.data_ptr, self.tensors))
+        self.versions = list(map(_version, self.tensors))
+
+    def holds(self) -> bool:
+        return (all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objects))
+                and list(map(_version, self.tensors)) == self.versions
+                and list(map(Tensor.data_ptr, self.tensors)) == self.storages)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -511,8 +541,7 @@ class Transformer(nn.Module):
         if torch.is_grad_enabled():  # requires_grad flags are not in the snapshot: check afresh
             return self._build_kernel_stack()
         cached = getattr(self, "_stack_cache", None)
-        if cached is not None and all(d.get(name) is t and (key is None or (t.data_ptr(), t._version) == key)
-                                      for d, name, t, key in cached[0]):
+        if cached is not None and cached[0].holds():
             return cached[1]
         lists = self._build_kernel_stack()
         self._stack_cache = (self._stack_snapshot(), lists)
@@ -538,27 +567,22 @@ class Transformer(nn.Module):
                 out.append(t)
         return lists
 
-    def _stack_snapshot(self) -> list[tuple[dict, str, object, tuple[int, int] | None]]:
-        """(holder's dict, name, object, (storage, version counter) or None) of everything
-        `_build_kernel_stack` reads: each parameter (replaced → another object; written in place,
-        also through a view such as q_proj.weight of qkv_weight → another version; `.data =` →
+    def _stack_snapshot(self) -> "Snapshot":
+        """Everything `_build_kernel_stack` reads: each parameter (replaced → another object; written in
+        place, also through a view such as q_proj.weight of qkv_weight → another version; `.data =` →
         another storage), the packed weights and their packs, and the caches (setup_cache replaces
-        them; their contents change every forward, so no version)."""
-        entries = []
+        them; their contents change every forward, so identity only)."""
+        slots = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for module, names in ((attn, ("qkv_weight", "qkv_bias", "qkv_gemm_pack", "k_cache", "v_cache")),
                                   (mlp, ("gate_up_weight", "gate_up_gemm_pack")),
                                   (attn.o_proj, ("gemm_pack",)), (mlp.down_proj, ("gemm_pack",))):
-                for name in names:
-                    t = module.__dict__.get(name)
-                    versioned = isinstance(t, Tensor) and name not in ("k_cache", "v_cache")
-                    entries.append((module.__dict__, name, t, (t.data_ptr(), t._version) if versioned else None))
+                slots += [(module.__dict__, name, name not in ("k_cache", "v_cache")) for name in names]
             for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                            mlp.down_proj, layer.input_layernorm, layer.post_attention_layernorm):
-                for name, t in module._parameters.items():
-                    entries.append((module._parameters, name, t, None if t is None else (t.data_ptr(), t._version)))
-        return entries
+                slots += [(module._parameters, name, True) for name in module._parameters]
+        return Snapshot(slots)
 
     def forward(
         self,

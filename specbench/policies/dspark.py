@@ -110,8 +110,9 @@ class DSpark(Policy):
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
-        # Target features of rounds the draft gate skipped, not yet in the draft context: only a drafted
-        # round reads the context, so they are appended in one call when drafting resumes (_flush_context).
+        # Target features of committed tokens not yet in the draft context: only a drafted round reads
+        # the context, so the next drafting round appends them (the last round's, and those of rounds
+        # the draft gate skipped, in one call: _pending_features).
         self.pending_context: list[tuple[Tensor, Tensor]] = []
         self._admitted = None  # (confidence, active rows, Algorithm 1's lengths) of the last gated round
         # The batch's temperature is fixed for its life: pick its STS fit and move it once, not per round.
@@ -123,10 +124,13 @@ class DSpark(Policy):
     def propose(self, state: BatchState) -> Draft | None:
         if self.gate is not None and self.gate.skip():  # a plain decode step (the core verifies nothing)
             return None
-        self._flush_context()
+        features, counts = self._pending_features()
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
-        tokens, probs, conf_logits = self.draft_model.draft_block(anchors, None, state.temperature, state.top_p,
-                                                                  state.generator, with_probs=state.temperature > 0)
+        # The context append and the block in one call (draft_round): the committed tokens' features
+        # join the context just before the drafter reads it.
+        tokens, probs, conf_logits = self.draft_model.draft_round(features, counts, anchors, state.temperature,
+                                                                  state.top_p, state.generator,
+                                                                  with_probs=state.temperature > 0)
         tokens = tokens[:, : self.gamma]
         probs = probs[:, : self.gamma] if probs is not None else None
         confidence = raw = None
@@ -197,27 +201,30 @@ class DSpark(Policy):
         if not width:
             return
         features = verify_features[:, :width].to(self.draft_model.dtype)
-        if self.gate is None:
-            self.draft_model.append_context(features, counts=counts)
-        else:  # a copy: a graphed forward's outputs are overwritten by the next round
-            self.pending_context.append((features.clone(), counts.clone()))
+        # Appended by the next drafting round (propose); a copy: a graphed forward's outputs are
+        # overwritten by the next forward, and rounds the draft gate skips run forwards in between.
+        self.pending_context.append((features.clone(), counts.clone()))
 
-    def _flush_context(self) -> None:
-        """Append the pending rounds' features to the draft context in one call. Each row's valid
-        entries (its first counts[r] of every round) are packed to the left in round order, so every
-        entry lands in the slot, at the position, that a per-round append gives it: the context
+    def _pending_features(self) -> tuple[Tensor | None, Tensor | None]:
+        """The pending rounds' features as one append (features, counts), or (None, None). Each row's
+        valid entries (its first counts[r] of every round) are packed to the left in round order, so
+        every entry lands in the slot, at the position, that a per-round append gives it: the context
         K/V depend only on the feature and its position, so the drafts are the same."""
         if not self.pending_context:
-            return
+            return None, None
         pending, self.pending_context = self.pending_context, []
         if len(pending) == 1:
-            self.draft_model.append_context(pending[0][0], counts=pending[0][1])
-            return
+            return pending[0]
         features = torch.cat([f for f, _ in pending], dim=1)
         valid = torch.cat([torch.arange(f.shape[1], device=f.device)[None] < c[:, None] for f, c in pending], dim=1)
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid entries first, in order
-        features = features.gather(1, order[..., None].expand_as(features))
-        self.draft_model.append_context(features, counts=valid.sum(dim=1))
+        return features.gather(1, order[..., None].expand_as(features)), valid.sum(dim=1)
+
+    def _flush_context(self) -> None:
+        """Append the pending rounds' features to the draft context now (_pending_features)."""
+        features, counts = self._pending_features()
+        if features is not None:
+            self.draft_model.append_context(features, counts=counts)
 
 
 def rounds_per_second(step_seconds, draft_seconds, b: int, n: int):
