@@ -160,8 +160,8 @@ def _attention_reference(xq, k_cache, v_cache, mask):
     return (scores.softmax(-1) @ values).transpose(1, 2).reshape(b, q, nh * hd)
 
 
-@pytest.mark.parametrize("nh,nkv,q,hd,kv_len", [(9, 3, 1, 64, 320), (9, 3, 8, 64, 77), (8, 2, 3, 128, 200),
-                                                (4, 4, 8, 64, 16)])
+@pytest.mark.parametrize("nh,nkv,q,hd,kv_len", [(9, 3, 1, 64, 320), (9, 3, 4, 64, 260), (9, 3, 8, 64, 77),
+                                                (8, 2, 3, 128, 200), (4, 4, 8, 64, 16)])
 @torch.inference_mode()
 def test_attention_kernel_is_as_accurate_as_sdpa_and_row_invariant(nh, nkv, q, hd, kv_len):
     torch.manual_seed(3)
