@@ -640,8 +640,9 @@ class DSparkDrafter(nn.Module):
         """A policy's drafting round: append_context(features, counts) (None: nothing new), then
         draft_block(anchor_tokens, None, ...), with draft_block's return. bf16 on a CPU at temperature 0,
         where every step would take its kernel route, both run in one kernel call
-        (cpu_kernels.dspark_round) with the same bits: the Python between the kernels cost about as much
-        as the kernels (docs/performance.md "Session 14")."""
+        (cpu_kernels.dspark_round) with the same bits, without the Python between the kernels: 3.17 →
+        2.32 ms a round after a target step, but 0.1–0.3 ms a round in decoding, within the noise
+        (docs/performance.md "Session 14")."""
         b = anchor_tokens.shape[0]
         fused = self._round_kernel_args(features, b) if temperature <= 0 and FUSED_ROUND else None
         if fused is None:
@@ -652,8 +653,9 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"draft context cache overflow (capacity {self.max_ctx}); call setup_cache with more room")
         a = self.args.model_args
         tokens, _, confidence = cpu_kernels.dspark_round(
-            features, counts.long() if counts is not None else None, self.ctx_len, *fused, anchor_tokens, self.embed_weight, self.mask_embedding,
-            self._layer_packs[1][:6], self.k_cache, self.v_cache, self.inv_freq, self.norm.weight,
+            features, counts.long() if counts is not None else None, self.ctx_len, *fused, anchor_tokens,
+            self.embed_weight, self.mask_embedding, self._layer_packs[1][:6], self.k_cache, self.v_cache,
+            self.inv_freq, self.norm.weight,
             self._draft_head[2].gemv, self.draft_vocab_size, self.markov_w1.weight, self._markov_w2_pack,
             self.vocab_ids, self.confidence_head.weight, self.confidence_head.bias, a.norm_eps, a.n_heads,
             a.n_kv_heads, a.head_dim, a.intermediate_size, self.block_size, self.max_ctx)
@@ -701,7 +703,8 @@ class DSparkDrafter(nn.Module):
         n = features.shape[1]
         fc = fresh_pack(self.fc.weight, self.fc.gemm_pack)
         if (self.fc.bias is not None or fc is None or fc.gemv is None
-                or not cpu_kernels.gemv_takes(b * n, features.shape[-1], n) or not cpu_kernels.gemv_takes(b * n, a.dim, n)):
+                or not cpu_kernels.gemv_takes(b * n, features.shape[-1], n)
+                or not cpu_kernels.gemv_takes(b * n, a.dim, n)):
             return None
         return fc.gemv, self.hidden_norm.weight, packs[6]
 

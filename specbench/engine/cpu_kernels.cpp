@@ -778,10 +778,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
 }
 
 // 8. dspark_round_bf16: a DSpark drafting round at temperature 0 in one call (drafters/dspark.py:
-// draft_round = append_context, then draft_block, on their kernel routes). The Python between those
-// kernels (route checks, rope, masks, views: ~40 torch calls) cost about as much as the kernels
-// themselves, ~1.3 ms a round on the 2-core EPYC (docs/performance.md "Session 14"). Same kernels, same
-// order, and the few torch ops (rope's cos / sin, the slots and the mask) as ATen calls with
+// draft_round = append_context, then draft_block, on their kernel routes), without the Python between
+// those kernels (route checks, rope, masks, views: ~40 torch calls): 3.17 -> 2.32 ms a round after a
+// target step on the 2-core EPYC, 0.1-0.3 ms a round in decoding (docs/performance.md "Session 14").
+// Same kernels, same order, and the few torch ops (rope's cos / sin, the slots and the mask) as ATen calls with
 // model.py's arguments, so the same bits as the Python path (tests/test_cpu_kernels.py).
 
 // model.py's rope_cos_sin: cos / sin [b, q, 1, hd] of positions [b, q].

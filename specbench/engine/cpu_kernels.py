@@ -241,7 +241,8 @@ def markov_draft(base: Tensor, anchors: Tensor, w1: Tensor, w2_packed: Tensor, v
 
 def dspark_round(features: Tensor | None, counts: Tensor | None, ctx_len: Tensor, fc: Tensor | None,
                  hidden_norm: Tensor | None,
-                 kv: list[Tensor], anchors: Tensor, embed: Tensor, mask_embedding: Tensor, layers: tuple[list[Tensor], ...],
+                 kv: list[Tensor], anchors: Tensor, embed: Tensor, mask_embedding: Tensor,
+                 layers: tuple[list[Tensor], ...],
                  k_caches: list[Tensor], v_caches: list[Tensor], inv_freq: Tensor, norm: Tensor, head: Tensor,
                  head_rows: int, markov_w1: Tensor, markov_w2: Tensor, vocab_ids: Tensor, conf_weight: Tensor,
                  conf_bias: Tensor, eps: float, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
@@ -255,6 +256,6 @@ def dspark_round(features: Tensor | None, counts: Tensor | None, ctx_len: Tensor
     none = torch.empty(0, dtype=torch.bfloat16)
     return torch.ops.specbench_cpu.dspark_round_bf16(
         features if features is not None else none, counts if counts is not None else torch.empty(0, dtype=torch.long),
-        ctx_len, fc if fc is not None else none, hidden_norm if hidden_norm is not None else none, kv, anchors, embed, mask_embedding, *layers, k_caches, v_caches, inv_freq, norm, head,
-        head_rows, markov_w1, markov_w2, vocab_ids, conf_weight.reshape(-1), conf_bias, eps, n_heads, n_kv_heads,
-        head_dim, intermediate, block, max_ctx)
+        ctx_len, fc if fc is not None else none, hidden_norm if hidden_norm is not None else none, kv, anchors, embed,
+        mask_embedding, *layers, k_caches, v_caches, inv_freq, norm, head, head_rows, markov_w1, markov_w2, vocab_ids,
+        conf_weight.reshape(-1), conf_bias, eps, n_heads, n_kv_heads, head_dim, intermediate, block, max_ctx)

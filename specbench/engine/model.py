@@ -432,9 +432,9 @@ class Snapshot:
     same object and no watched tensor was written in place (also through a view: a view shares its
     base's counter) or given new storage (`.data =`).
 
-    Checked per forward, so with map() over built-ins rather than a Python loop: the target's ~750
-    slots cost ~0.25 ms a forward as a generator expression on the 2-core EPYC (docs/performance.md,
-    "Session 14")."""
+    Checked per forward, so with map() over built-ins rather than a Python loop: the target's 750
+    slots took 150–200 µs a forward as a generator expression, 96–140 µs so, on the 2-core EPYC
+    (docs/performance.md, "Session 14")."""
 
     def __init__(self, slots: list[tuple[dict, str, bool]]):
         self.dicts = [d for d, _, _ in slots]
