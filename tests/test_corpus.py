@@ -21,7 +21,7 @@ from specbench.errors import UserError
 from specbench.policies.dspark import DSpark
 from specbench.engine.policy import Policy
 from specbench.train.common import get_budget
-from specbench.train.corpus import build_corpus, features_from_corpus, read_corpus, shard_name
+from specbench.train.corpus import build_corpus, features_from_corpus, parse_corpus_part, read_corpus, shard_name
 from specbench.train.data import TrainingData
 from specbench.train.dspark import train
 from helpers import IM_END, tiny_target
@@ -75,6 +75,50 @@ def test_shards_hold_uint16_ids_masks_and_a_manifest(target, corpus):
         assert ids[: plen[0]] == list(prompt)
     assert len(texts) == len(set(texts)), "a prompt appears in two shards"
     assert {"magpie", "seed:code"} & set(totals["prompt_sources"])
+    assert "mix" not in manifest["settings"]  # the general mix keeps the key corpora had before mixes
+
+
+@pytest.fixture(scope="module")
+def code_corpus(target, tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("code") / "c"
+    build_corpus(target, out, 10**9, max_shards=2, mix="code", **BUILD)
+    return out
+
+
+def test_the_code_mix_asks_the_programmer_and_the_standard_library(target, corpus, code_corpus):
+    manifest, shards = read_corpus(code_corpus)
+    assert manifest["settings"]["mix"] == "code" and manifest["settings"]["python"] == "%d.%d" % sys.version_info[:2]
+    assert manifest["build_key"] != read_corpus(corpus)[0]["build_key"]
+    sources = [source for shard in shards for source, _ in shard["prompts"]]
+    assert set(sources) <= {"magpie:1", "stdlib:code", "seed:code"} and "stdlib:code" in sources
+    texts = [text for shard in shards for _, text in shard["prompts"]]
+    assert len(texts) == len(set(texts)) == BUILD["shard_prompts"] * 2
+    stdlib = [t for s, t in zip(sources, texts) if s == "stdlib:code"]
+    assert all("def " in t or "Write a Python function" in t for t in stdlib)
+    with pytest.raises(UserError, match="unknown corpus mix"):
+        build_corpus(target, code_corpus, 10**9, max_shards=1, **{**BUILD, "mix": "poetry"})
+
+
+def test_features_from_several_corpus_parts(target, corpus, code_corpus, tmp_path):
+    """A range of one corpus' shards and a whole second corpus, in that order, as one training set."""
+    data = TrainingData(features_from_corpus(target, [f"{corpus}[1:3]", str(code_corpus)], tmp_path / "f", [0, 1],
+                                             progress=False), target)
+    general, general_shards = read_corpus(corpus)
+    code, code_shards = read_corpus(code_corpus)
+    assert len(data) == sum(s["n_sequences"] for s in general["shards"][1:3]) + code["totals"]["n_sequences"]
+    first, last = data.sequence(0)["input_ids"], data.sequence(len(data) - 1)["input_ids"]
+    offs = general_shards[1]["seq_offsets"]
+    assert first.tolist() == general_shards[1]["token_ids"][offs[0]:offs[1]].astype(int).tolist()
+    offs = code_shards[-1]["seq_offsets"]
+    assert last.tolist() == code_shards[-1]["token_ids"][offs[-2]:offs[-1]].astype(int).tolist()
+    used = data.manifest["generation"]["corpora"]
+    assert [(u["build_key"], u["shards"]) for u in used] == [(general["build_key"], [1, 3]), (code["build_key"], [0, 2])]
+    assert parse_corpus_part("a/b[66:]") == (Path("a/b"), 66, None) and parse_corpus_part("a/b") == (Path("a/b"), 0, None)
+    with pytest.raises(UserError, match="empty shard range"):
+        parse_corpus_part("a[3:3]")
+    with pytest.raises(UserError, match="only 3 shards"):
+        features_from_corpus(target, [f"{corpus}[5:]"], tmp_path / "g", [0, 1], progress=False)
 
 
 def test_grows_resumes_and_refuses_other_settings(target, corpus, tmp_path):
@@ -194,12 +238,13 @@ def test_corpus_to_drafter_end_to_end(target, corpus, tmp_path):
     assert sum(r.drafted for r in spec.requests) > 0
 
 
-def test_committed_corpus_overlaps_no_evaluation_workload():
-    """Every prompt of the shipped corpus against every turn of the evaluation workloads
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-code"])
+def test_committed_corpus_overlaps_no_evaluation_workload(name):
+    """Every prompt of a shipped corpus against every turn of the evaluation workloads
     (code, chat, math and the held-out set): no shared word 8-gram, no identical text."""
     from specbench.train.data import EvalOverlap, eval_prompt_texts
 
-    manifest, shards = read_corpus(TESTS.parent / "corpus" / "smollm2-135m")
+    manifest, shards = read_corpus(TESTS.parent / "corpus" / name)
     overlap = EvalOverlap(eval_prompt_texts())
     prompts = [text for shard in shards for _, text in shard["prompts"]]
     assert len(prompts) == manifest["totals"]["n_prompts"] > 0

@@ -11,6 +11,7 @@ checkpoint and a training card (TRAINING.md) to `--out` (default
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import sys
 import time
@@ -49,8 +50,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "split makes each pass longer")
     p.add_argument("--out", help="output directory for the drafter (default: in the cache)")
     p.add_argument("--data", help="training-data directory (built there if it holds none)")
-    p.add_argument("--corpus", help="train on this corpus (python -m specbench corpus): the target's features "
-                                    "are computed from its token ids into --data (default: in the cache)")
+    p.add_argument("--corpus", action="append",
+                   help="train on this corpus (python -m specbench corpus): the target's features are computed "
+                        "from its token ids into --data (default: in the cache). DIR[START:END] takes a range of "
+                        "its shards; repeat to train on several, e.g. --corpus 'corpus/a[66:]' --corpus corpus/b")
     p.add_argument("--corpus-shards", type=int, default=None, help="use only the corpus' first N shards")
     p.add_argument("--seed", type=int, default=0, help="seed of data order and initialisation (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
@@ -102,14 +105,17 @@ def main(args: argparse.Namespace) -> int:
     data_dir = Path(args.data) if args.data else default_data_dir(target.name, f"{args.budget}-s{args.seed}")
     data_s = None
     if getattr(args, "corpus", None):
-        from specbench.train.corpus import features_from_corpus, read_corpus
+        from specbench.train.corpus import features_from_corpus, parse_corpus_part, read_corpus
         from specbench.train.data import default_tap_layers
 
-        corpus_key = read_corpus(args.corpus)[0]["build_key"]
+        parts = [parse_corpus_part(spec) for spec in args.corpus]
         taps = tap_layers or default_tap_layers(target.model.args.n_layers)
         if not args.data:
+            keys = [read_corpus(path)[0]["build_key"] + (f"[{start}:{end or ''}]" if (start, end) != (0, None) else "")
+                    for path, start, end in parts]
+            name = keys[0] if len(keys) == 1 and "[" not in keys[0] else hashlib.sha256("+".join(keys).encode()).hexdigest()[:16]
             shards = f"-first{args.corpus_shards}" if args.corpus_shards else ""
-            data_dir = default_data_dir(target.name, f"corpus-{corpus_key}{shards}-taps{'_'.join(map(str, taps))}")
+            data_dir = default_data_dir(target.name, f"corpus-{name}{shards}-taps{'_'.join(map(str, taps))}")
         t0 = time.perf_counter()
         features_from_corpus(target, args.corpus, data_dir, taps, max_shards=args.corpus_shards, progress=progress)
         data_s = time.perf_counter() - t0
@@ -153,6 +159,12 @@ def add_corpus_parser(subparsers) -> argparse.ArgumentParser:
                    help="one-thread processes decoding a shard's independent batches at once, on a CPU "
                         "(default: %(default)s: this process); the shards are the same")
     p.add_argument("--seed", type=int, default=0, help="corpus seed (default: %(default)s)")
+    p.add_argument("--mix", default="general", choices=["general", "code"],
+                   help="prompt sources: general (Magpie under four system prompts, then seed code / chat / math "
+                        "requests) or code (Magpie under the programmer system prompt, then function-writing "
+                        "requests from the Python standard library's docstrings) (default: %(default)s)")
+    p.add_argument("--magpie-fraction", type=float, default=0.6,
+                   help="share of each shard's prompts the target writes itself (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="target dtype; auto: bfloat16 on CUDA, on CPU the faster of the two by a GEMM "
                         "measured now (default: %(default)s)")
@@ -208,7 +220,8 @@ def corpus_main(args: argparse.Namespace) -> int:
     manifest = build_corpus(target, args.out, args.tokens, shard_prompts=args.shard_prompts,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                             max_shards=args.max_shards, on_shard=commit if args.commit else None,
-                            progress=not args.no_progress, workers=getattr(args, "workers", 1))
+                            progress=not args.no_progress, workers=getattr(args, "workers", 1),
+                            mix=args.mix, magpie_fraction=args.magpie_fraction)
     t = manifest["totals"]
     print(f"specbench: corpus {args.out}: {t['n_response_tokens']} response tokens, {t['n_sequences']} sequences "
           f"in {t['n_shards']} shards ({t['generation_s']:.0f} s of generation)", file=sys.stderr)

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -65,9 +67,11 @@ from specbench.train.data import (
     magpie_prompts,
     eval_prompt_texts,
     seed_prompts,
+    stdlib_code_prompts,
 )
 
 FORMAT = 1
+CORPUS_MIXES = ("general", "code")
 UINT16_VOCAB = 1 << 16
 
 
@@ -132,17 +136,27 @@ def build_corpus(
     max_shards: int | None = None,
     progress: bool = True,
     workers: int = 1,
+    mix: str = "general",
 ) -> dict:
     """Add shards to the corpus in `out_dir` until it holds `target_response_tokens` response
     tokens (or `max_shards` new shards were written); returns the manifest. `on_shard(path,
     manifest)` runs after each shard is in place and listed (e.g. to commit it). workers > 1:
     the shard's independently seeded batches (Magpie rounds, response groups) are decoded by that
-    many one-thread processes at once (train/generation_pool.py); the shards do not change."""
+    many one-thread processes at once (train/generation_pool.py); the shards do not change.
+
+    mix "general": Magpie turns under all of `MAGPIE_SYSTEMS`, then the seed topics (code, chat,
+    math). mix "code": Magpie turns under the programmer system prompt only, then
+    function-writing requests from the standard library's signatures and docstrings
+    (`stdlib_code_prompts`), then the seed topics' code requests."""
     model = target.model
+    if mix not in CORPUS_MIXES:
+        raise UserError(f"unknown corpus mix {mix!r} (choose from {', '.join(CORPUS_MIXES)})")
     if model.args.vocab_size > UINT16_VOCAB:
         raise UserError(f"the corpus stores uint16 token ids; {target.name} has {model.args.vocab_size} tokens")
     if min(target_response_tokens, shard_prompts, max_new_tokens, batch_size) < 1:
         raise UserError("target tokens, shard size, max new tokens and batch size must be positive")
+    if not 0.0 <= magpie_fraction <= 1.0:
+        raise UserError(f"the Magpie fraction must be between 0 and 1, not {magpie_fraction}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # What determines the content. Device, dtype, batch size and threads are recorded per shard,
@@ -153,6 +167,9 @@ def build_corpus(
         "magpie_fraction": magpie_fraction, "magpie_max_tokens": magpie_max_tokens,
         "min_response_tokens": min_response_tokens, "temperature": temperature, "top_p": top_p,
     }
+    if mix != "general":  # keyed only when set, so corpora built before mixes existed keep their key
+        # the standard library's functions, hence the prompts, differ between Python versions
+        settings.update({"mix": mix, "python": "%d.%d" % sys.version_info[:2]})
     build_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     manifest_file = out / "manifest.json"
     manifest = None
@@ -206,13 +223,18 @@ def build_corpus(
                desc="corpus response tokens", unit="tok", disable=not progress)
     written = 0
     pool = GenerationPool(model, workers)
+    systems = [1] if mix == "code" else None  # MAGPIE_SYSTEMS[1]: the programmer
+    fillers = stdlib_code_prompts(seed) if mix == "code" else []
     try:
         while done_tokens < target_response_tokens and (max_shards is None or written < max_shards):
             t0 = time.time()
             n_magpie = round(shard_prompts * magpie_fraction)
             prompts, _ = magpie_prompts(target, fmt, n_magpie, derive_seed(seed, "corpus", k), batch_size,
-                                         magpie_max_tokens, pfilter, progress, pool=pool)
-            for source, text in seed_prompts(8 * (shard_prompts - len(prompts)) + 64, derive_seed(seed, "seeds", k)):
+                                         magpie_max_tokens, pfilter, progress, pool=pool, systems=systems)
+            seeds = seed_prompts(8 * (shard_prompts - len(prompts)) + 64, derive_seed(seed, "seeds", k),
+                                 weights=(1.0, 0.0, 0.0) if mix == "code" else (0.45, 0.3, 0.25))
+            # fillers already taken by earlier shards are rejected as duplicates by the filter
+            for source, text in fillers + seeds:
                 if len(prompts) >= shard_prompts:
                     break
                 if pfilter.accept(text):
@@ -299,25 +321,54 @@ def read_corpus(path) -> tuple[dict, list[dict]]:
     return manifest, shards
 
 
+def parse_corpus_part(spec: str) -> tuple[Path, int, int | None]:
+    """"DIR" or "DIR[START:END]" (a Python slice of the corpus' shards, either end optional)
+    -> (DIR, START, END or None)."""
+    m = re.fullmatch(r"(.+?)\[(\d*):(\d*)\]", spec.strip())
+    if not m:
+        return Path(spec), 0, None
+    start, end = int(m.group(2) or 0), (int(m.group(3)) if m.group(3) else None)
+    if end is not None and end <= start:
+        raise UserError(f"corpus {spec!r}: empty shard range")
+    return Path(m.group(1)), start, end
+
+
 def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int], *, batch_size: int = 8,
                          max_shards: int | None = None, progress: bool = True) -> Path:
     """The training-data directory (`TrainingData` format, specbench/train/data.py) of the target's
     features over the corpus' sequences: one prefill per sequence, one features shard per corpus
     shard (kept when its key — the corpus shard's sha256, taps, target, dtype — still matches, so a
-    grown corpus only adds shards). `max_shards` uses the first shards only."""
+    grown corpus only adds shards). `max_shards` uses the first shards only.
+
+    `corpus_dir` may also be a list of parts, each a directory or "DIR[START:END]"
+    (`parse_corpus_part`): their shards in that order, e.g. a general corpus' newest shards and
+    a code corpus, to continue a drafter on data it has not seen."""
     from specbench.train.data import FORMAT as DATA_FORMAT, feature_pass, feature_shard_name, feature_shard_ok, write_feature_shard
 
     model = target.model
-    manifest, shards = read_corpus(corpus_dir)
-    if manifest["target"]["fingerprint"] != target.fingerprint:
-        raise UserError(f"corpus {corpus_dir} was generated by {manifest['target']['name']!r}, not {target.name!r}")
+    parts = [corpus_dir] if isinstance(corpus_dir, (str, Path)) else list(corpus_dir)
+    if not parts:
+        raise UserError("no corpus given")
     taps = tuple(int(i) for i in tap_layers)
     if not taps or any(not 0 <= i < model.args.n_layers for i in taps):
         raise UserError(f"tap layers {list(taps)} must be between 0 and {model.args.n_layers - 1}")
-    if max_shards is not None:
-        shards, listed = shards[:max_shards], manifest["shards"][:max_shards]
-    else:
-        listed = manifest["shards"]
+    shards, listed, manifests, used, origin = [], [], [], [], []
+    for part in parts:
+        path, start, end = parse_corpus_part(str(part))
+        if max_shards is not None:
+            end = max_shards if end is None else min(end, max_shards)
+        manifest, part_shards = read_corpus(path)
+        if manifest["target"]["fingerprint"] != target.fingerprint:
+            raise UserError(f"corpus {path} was generated by {manifest['target']['name']!r}, not {target.name!r}")
+        if start >= len(part_shards):
+            raise UserError(f"corpus {part}: it has only {len(part_shards)} shards")
+        shards += part_shards[start:end]
+        listed += manifest["shards"][start:end]
+        origin += [str(path)] * len(part_shards[start:end])
+        manifests.append(manifest)
+        used.append({"corpus": str(path), "build_key": manifest["build_key"], "shards": [start, start + len(part_shards[start:end])],
+                     "settings": manifest["settings"]})
+    manifest = manifests[0]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dim, dtype = model.args.dim, str(model.lm_head.weight.dtype).replace("torch.", "")
@@ -325,7 +376,7 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
     total = sum(int(s["seq_offsets"][-1]) for s in shards)
     bar = tqdm(total=total, desc="target features", unit="tok", disable=not progress)
     summaries, n_loss = [], 0
-    for k, (shard, info) in enumerate(zip(shards, listed)):
+    for k, (shard, info, source_dir) in enumerate(zip(shards, listed, origin)):
         key = hashlib.sha256(json.dumps([info["sha256"], taps, target.fingerprint, dtype]).encode()).hexdigest()[:16]
         offs, plen = shard["seq_offsets"].tolist(), shard["prompt_lengths"].tolist()
         seqs = [shard["token_ids"][offs[s]:offs[s + 1]].astype(np.int64).tolist() for s in range(len(plen))]
@@ -347,7 +398,8 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
                 shard["prompt_index"].tolist(), len(taps) * dim, dim, key, target.fingerprint)
         else:
             bar.update(offs[-1])
-        summaries.append({"file": path.name, "n_sequences": len(seqs), "n_tokens": offs[-1], "corpus_shard": info["file"]})
+        summaries.append({"file": path.name, "n_sequences": len(seqs), "n_tokens": offs[-1], "corpus_shard": info["file"],
+                          "corpus": source_dir})
     bar.close()
     sources: Counter = Counter()
     for info in listed:
@@ -360,8 +412,8 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
         "n_sequences": sum(s["n_sequences"] for s in summaries), "n_tokens": sum(s["n_tokens"] for s in summaries),
         "n_loss_tokens": n_loss,
         "generation": {**manifest["generation"], "max_new_tokens": manifest["settings"]["max_new_tokens"],
-                       "corpus": str(corpus_dir), "corpus_build_key": manifest["build_key"],
-                       "feature_dtype": dtype},
+                       "corpus": used[0]["corpus"], "corpus_build_key": manifest["build_key"],
+                       "corpora": used, "feature_dtype": dtype},
         "seed": manifest["settings"]["seed"],
         "prompt_sources": dict(sorted(sources.items())),
         "shards": summaries,

@@ -475,6 +475,99 @@ def seed_prompts(n: int, seed: int, weights=(0.45, 0.3, 0.25)) -> list[tuple[str
 
 
 # ---------------------------------------------------------------------------------------------
+# Function-writing requests from the Python standard library's own signatures and docstrings
+
+# Modules whose import has side effects (opens a browser, prints, needs a display) or that are
+# test suites; nothing else is skipped.
+_STDLIB_SKIP = {"antigravity", "this", "idlelib", "turtledemo", "tkinter", "turtle", "test", "tests",
+                "ensurepip", "venv", "lib2to3", "pydoc_data", "__phello__", "msilib", "distutils"}
+_STDLIB_TEMPLATES = [
+    "Implement this Python function:\n```python\ndef {name}{sig}:\n    \"\"\"{doc}\"\"\"\n```",
+    "Complete the Python function below so that it does what its docstring says.\n```python\n"
+    "def {name}{sig}:\n    \"\"\"{doc}\"\"\"\n```",
+    "Here is a function signature with its docstring. Write the body in Python, then explain briefly how it "
+    "works.\n```python\ndef {name}{sig}:\n    \"\"\"{doc}\"\"\"\n```",
+    "Write a Python function `{name}{sig}` that does the following: {doc}",
+]
+
+
+def _stdlib_modules() -> list[str]:
+    import importlib
+    import pkgutil
+    import sys
+
+    names = []
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in _STDLIB_SKIP:
+            continue
+        module = _quiet_import(name)
+        if module is None:
+            continue
+        names.append(name)
+        if hasattr(module, "__path__"):
+            names += [info.name for info in pkgutil.walk_packages(module.__path__, name + ".", onerror=lambda _: None)
+                      if not any(p.startswith("_") or p in _STDLIB_SKIP for p in info.name.split("."))]
+    return names
+
+
+def _quiet_import(name: str):
+    import contextlib
+    import importlib
+    import io
+    import warnings
+
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name)
+    except BaseException:  # noqa: BLE001 - a module that cannot be imported here is simply not a source
+        return None
+
+
+def stdlib_code_prompts(seed: int) -> list[tuple[str, str]]:
+    """("stdlib:code", request) pairs: "write this function" requests built from the public
+    functions and methods of the Python standard library installed here (signature + the first
+    paragraph of the docstring, 6–80 words), one of four phrasings each, in a seeded order.
+    HumanEval-like requests without HumanEval's problems; the list depends on the Python
+    version (recorded by the corpus that uses it)."""
+    import inspect
+
+    seen: set[tuple[str, str]] = set()
+    out: list[tuple[str, str]] = []
+    for name in _stdlib_modules():
+        module = _quiet_import(name)
+        if module is None:
+            continue
+        members = []
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            if inspect.isfunction(obj):
+                members.append((attr, obj))
+            elif inspect.isclass(obj):
+                members += [(meth, fn) for meth, fn in sorted(vars(obj).items())
+                            if not meth.startswith("_") and inspect.isfunction(fn)]
+        for fname, fn in members:
+            doc = inspect.getdoc(fn)
+            if not doc:
+                continue
+            doc = " ".join(doc.split("\n\n")[0].split())
+            try:
+                sig = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                continue
+            # reprs of default objects carry addresses (not reproducible) or are not Python
+            if not 6 <= len(doc.split()) <= 80 or "<" in sig or '"""' in doc or (fname, doc) in seen:
+                continue
+            seen.add((fname, doc))
+            rng = random.Random(f"stdlib:{seed}:{name}.{fname}")
+            out.append(("stdlib:code", rng.choice(_STDLIB_TEMPLATES).format(name=fname, sig=sig, doc=doc)))
+    random.Random(f"stdlib-order:{seed}").shuffle(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Building
 
 
@@ -483,8 +576,10 @@ def derive_seed(*parts) -> int:
 
 
 def magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, max_tokens: int,
-                    pfilter: PromptFilter, progress: bool, pool=None) -> tuple[list[tuple[str, str]], dict]:
-    """Up to `n` accepted Magpie user turns (fewer if attempts run out: 4·n + a batch). Rounds
+                    pfilter: PromptFilter, progress: bool, pool=None,
+                    systems: Sequence[int] | None = None) -> tuple[list[tuple[str, str]], dict]:
+    """Up to `n` accepted Magpie user turns (fewer if attempts run out: 4·n + a batch), rows
+    cycling through the system turns `MAGPIE_SYSTEMS[i] for i in systems` (default: all). Rounds
     are seeded independently, so a `pool` (train/generation_pool.py) with W workers decodes W
     rounds at once; they are filtered in round order and rounds past the point where a serial
     run stops are dropped, so the prompts are the same as with no pool."""
@@ -492,7 +587,8 @@ def magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, 
 
     pool = pool or GenerationPool(target.model, workers=1)
     stop = list(dict.fromkeys(fmt.user_stop_ids + list(target.eos_token_ids)))
-    headers = [fmt.user_header_ids(s) for s in MAGPIE_SYSTEMS]
+    systems = list(range(len(MAGPIE_SYSTEMS))) if systems is None else list(systems)
+    headers = [fmt.user_header_ids(MAGPIE_SYSTEMS[i]) for i in systems]
     out: list[tuple[str, str]] = []
     attempts, incomplete, rnd = 0, 0, 0
     max_attempts = 4 * n + batch_size
@@ -517,7 +613,7 @@ def magpie_prompts(target, fmt: ChatFormat, n: int, seed: int, batch_size: int, 
                     continue
                 text = fmt.decode(ids[:-1]).strip()
                 if len(out) < n and pfilter.accept(text):
-                    out.append((f"magpie:{h}", text))
+                    out.append((f"magpie:{systems[h]}", text))
                     bar.update(1)
     bar.close()
     stats = {"attempts": attempts, "accepted": len(out), "incomplete": incomplete}
