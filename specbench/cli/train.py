@@ -214,7 +214,7 @@ def corpus_main(args: argparse.Namespace) -> int:
     def commit(path: Path, manifest: dict) -> None:
         totals = manifest["totals"]
         _git_commit([path, path.parent / "manifest.json"],
-                    f"corpus {target.name}: {path.name} ({manifest['shards'][-1]['n_response_tokens']} response "
+                    f"corpus {path.parent.name}: {path.name} ({manifest['shards'][-1]['n_response_tokens']} response "
                     f"tokens; {totals['n_response_tokens']} in {totals['n_shards']} shards)")
 
     manifest = build_corpus(target, args.out, args.tokens, shard_prompts=args.shard_prompts,
