@@ -60,6 +60,7 @@ from specbench.train.data import (
     MAGPIE_SYSTEMS,
     RESPONSE_SAMPLING,
     EVAL_WORKLOADS,
+    SEED_WEIGHTS,
     ChatFormat,
     EvalOverlap,
     PromptFilter,
@@ -232,7 +233,7 @@ def build_corpus(
             prompts, _ = magpie_prompts(target, fmt, n_magpie, derive_seed(seed, "corpus", k), batch_size,
                                          magpie_max_tokens, pfilter, progress, pool=pool, systems=systems)
             seeds = seed_prompts(8 * (shard_prompts - len(prompts)) + 64, derive_seed(seed, "seeds", k),
-                                 weights=(1.0, 0.0, 0.0) if mix == "code" else (0.45, 0.3, 0.25))
+                                 weights=(1.0, 0.0, 0.0) if mix == "code" else SEED_WEIGHTS)
             # fillers already taken by earlier shards are rejected as duplicates by the filter
             for source, text in fillers + seeds:
                 if len(prompts) >= shard_prompts:
@@ -352,7 +353,7 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
     taps = tuple(int(i) for i in tap_layers)
     if not taps or any(not 0 <= i < model.args.n_layers for i in taps):
         raise UserError(f"tap layers {list(taps)} must be between 0 and {model.args.n_layers - 1}")
-    shards, listed, manifests, used, origin = [], [], [], [], []
+    shards, listed, used, origin, first = [], [], [], [], None
     for part in parts:
         path, start, end = parse_corpus_part(str(part))
         if max_shards is not None:
@@ -365,10 +366,10 @@ def features_from_corpus(target, corpus_dir, out_dir, tap_layers: Sequence[int],
         shards += part_shards[start:end]
         listed += manifest["shards"][start:end]
         origin += [str(path)] * len(part_shards[start:end])
-        manifests.append(manifest)
+        first = first or manifest
         used.append({"corpus": str(path), "build_key": manifest["build_key"], "shards": [start, start + len(part_shards[start:end])],
                      "settings": manifest["settings"]})
-    manifest = manifests[0]
+    manifest = first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dim, dtype = model.args.dim, str(model.lm_head.weight.dtype).replace("torch.", "")

@@ -94,6 +94,7 @@ MAGPIE_SYSTEMS = [  # None = the template's default system turn
     "You are a helpful assistant for writing, everyday questions and explanations.",
 ]
 EVAL_WORKLOADS = ("code", "chat", "math", "heldout")
+SEED_WEIGHTS = (0.45, 0.3, 0.25)  # seed topics: code, chat, math
 OVERLAP_NGRAM = 8
 NEAR_DUP_NGRAM = 4
 NEAR_DUP_THRESHOLD = 0.6
@@ -437,7 +438,7 @@ def _math_prompt(rng: random.Random) -> str:
     return f"A circle has radius {r} m. What are its circumference and its area? Use pi = 3.14."
 
 
-def seed_prompts(n: int, seed: int, weights=(0.45, 0.3, 0.25)) -> list[tuple[str, str]]:
+def seed_prompts(n: int, seed: int, weights=SEED_WEIGHTS) -> list[tuple[str, str]]:
     """`n` distinct (source, text) seed requests, coding / chat / math by `weights`; the i-th
     depends only on (seed, i) and the lists above."""
     out: list[tuple[str, str]] = []
@@ -492,7 +493,6 @@ _STDLIB_TEMPLATES = [
 
 
 def _stdlib_modules() -> list[str]:
-    import importlib
     import pkgutil
     import sys
 
