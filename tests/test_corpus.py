@@ -100,6 +100,40 @@ def test_the_code_mix_asks_the_programmer_and_the_standard_library(target, corpu
         build_corpus(target, code_corpus, 10**9, max_shards=1, **{**BUILD, "mix": "poetry"})
 
 
+def test_third_party_requests_follow_the_standard_library(target, tmp_path, monkeypatch):
+    """Once the standard library's requests are used up, the code mix asks for functions of the
+    installed packages, records their versions with each shard, and continues as before."""
+    from specbench.train import corpus as corpus_module
+    from specbench.train.data import package_code_prompts
+
+    few_stdlib = corpus_module.stdlib_code_prompts(0)[:2]
+    monkeypatch.setattr(corpus_module, "stdlib_code_prompts", lambda seed: few_stdlib)
+    monkeypatch.setattr(corpus_module, "package_code_prompts",
+                        lambda seed: package_code_prompts(seed, packages=("mpmath",)))
+    out = tmp_path / "c"
+    build_corpus(target, out, 10**9, max_shards=2, mix="code", **BUILD)
+    manifest, shards = read_corpus(out)
+    prompts = [p for shard in shards for p in shard["prompts"]]
+    assert [t for s, t in prompts if s == "stdlib:code"] == [t for _, t in few_stdlib]
+    from_packages = [t for s, t in prompts if s == "package:code"]
+    assert from_packages and all("def " in t or "Write a Python function" in t for t in from_packages)
+    assert all(s["packages"]["mpmath"] for s in manifest["shards"])
+    assert manifest["totals"]["prompt_sources"]["package:code"] == len(from_packages)
+
+
+def test_package_requests_are_reproducible_capped_and_interleaved():
+    from specbench.train.data import package_code_prompts, package_versions
+
+    one = package_code_prompts(0, packages=("mpmath", "no_such_package_here"), cap=50)
+    assert one == package_code_prompts(0, packages=("mpmath",), cap=50) and len(one) == 50
+    assert one != package_code_prompts(1, packages=("mpmath",), cap=50)
+    assert all(source == "package:code" and '"""' not in text.split("```python")[0] for source, text in one)
+    assert package_versions(("mpmath", "no_such_package_here"))["no_such_package_here"] is None
+    # in turn from each package: no run of one package's requests while the other has some left
+    both = package_code_prompts(0, packages=("mpmath", "networkx"), cap=20)
+    assert len(both) == 40 and both[:20:2] == package_code_prompts(0, packages=("mpmath",), cap=20)[:10]
+
+
 def test_features_from_several_corpus_parts(target, corpus, code_corpus, tmp_path):
     """A range of one corpus' shards and a whole second corpus, in that order, as one training set."""
     data = TrainingData(features_from_corpus(target, [f"{corpus}[1:3]", str(code_corpus)], tmp_path / "f", [0, 1],

@@ -162,7 +162,8 @@ def add_corpus_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mix", default="general", choices=["general", "code"],
                    help="prompt sources: general (Magpie under four system prompts, then seed code / chat / math "
                         "requests) or code (Magpie under the programmer system prompt, then function-writing "
-                        "requests from the Python standard library's docstrings) (default: %(default)s)")
+                        "requests from the docstrings of the Python standard library, then of numpy, scipy, pandas, networkx, "
+                        "sympy and mpmath) (default: %(default)s)")
     p.add_argument("--magpie-fraction", type=float, default=0.6,
                    help="share of each shard's prompts the target writes itself (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

@@ -36,6 +36,7 @@ two) is adopted if its build key and index match. A rerun never duplicates or lo
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import sys
@@ -68,6 +69,8 @@ from specbench.train.data import (
     magpie_prompts,
     eval_prompt_texts,
     seed_prompts,
+    package_code_prompts,
+    package_versions,
     stdlib_code_prompts,
 )
 
@@ -148,7 +151,9 @@ def build_corpus(
     mix "general": Magpie turns under all of `MAGPIE_SYSTEMS`, then the seed topics (code, chat,
     math). mix "code": Magpie turns under the programmer system prompt only, then
     function-writing requests from the standard library's signatures and docstrings
-    (`stdlib_code_prompts`), then the seed topics' code requests."""
+    (`stdlib_code_prompts`), then the same kind of requests from installed third-party packages
+    (`package_code_prompts`; their versions are recorded with each shard), then the seed topics'
+    code requests."""
     model = target.model
     if mix not in CORPUS_MIXES:
         raise UserError(f"unknown corpus mix {mix!r} (choose from {', '.join(CORPUS_MIXES)})")
@@ -225,7 +230,16 @@ def build_corpus(
     written = 0
     pool = GenerationPool(model, workers)
     systems = [1] if mix == "code" else None  # MAGPIE_SYSTEMS[1]: the programmer
-    fillers = stdlib_code_prompts(seed) if mix == "code" else []
+    packages = package_versions() if mix == "code" else None
+    stdlib = stdlib_code_prompts(seed) if mix == "code" else []
+    third_party: list[tuple[str, str]] = []
+
+    def fillers():
+        yield from stdlib
+        if mix == "code":
+            if not third_party:  # built on first need: importing the packages' modules takes ~15 s
+                third_party.extend(package_code_prompts(seed))
+            yield from third_party
     try:
         while done_tokens < target_response_tokens and (max_shards is None or written < max_shards):
             t0 = time.time()
@@ -235,7 +249,7 @@ def build_corpus(
             seeds = seed_prompts(8 * (shard_prompts - len(prompts)) + 64, derive_seed(seed, "seeds", k),
                                  weights=(1.0, 0.0, 0.0) if mix == "code" else SEED_WEIGHTS)
             # fillers already taken by earlier shards are rejected as duplicates by the filter
-            for source, text in fillers + seeds:
+            for source, text in itertools.chain(fillers(), seeds):
                 if len(prompts) >= shard_prompts:
                     break
                 if pfilter.accept(text):
@@ -273,6 +287,8 @@ def build_corpus(
             summary = _shard_summary(path, shard, time.time() - t0, dtype, device)
             summary.update({"batch_size": batch_size, "threads": 1 if pool.workers > 1 else torch.get_num_threads(),
                             "workers": pool.workers, "cpu": device_name(model.device)})
+            if packages is not None:
+                summary["packages"] = packages  # the package requests depend on their versions
             manifest["shards"].append(summary)
             _write_manifest(manifest_file, manifest)
             done_tokens += summary["n_response_tokens"]

@@ -525,23 +525,24 @@ def _quiet_import(name: str):
         return None
 
 
-def stdlib_code_prompts(seed: int) -> list[tuple[str, str]]:
-    """("stdlib:code", request) pairs: "write this function" requests built from the public
-    functions and methods of the Python standard library installed here (signature + the first
-    paragraph of the docstring, 6–80 words), one of four phrasings each, in a seeded order.
-    HumanEval-like requests without HumanEval's problems; the list depends on the Python
-    version (recorded by the corpus that uses it)."""
+def _function_requests(module_names: list[str], kind: str, seed: int, owner=None) -> list[tuple[str, str]]:
+    """Request texts for the public functions and methods defined in `module_names` (signature +
+    the docstring's first paragraph, 6–80 words), one of four phrasings each, keyed by function for
+    reproducibility. `owner(module_name, obj)` says whether `obj` belongs to that module's
+    listing (default: defined in it)."""
     import inspect
 
+    if owner is None:
+        owner = lambda name, obj: getattr(obj, "__module__", None) == name  # noqa: E731
     seen: set[tuple[str, str]] = set()
     out: list[tuple[str, str]] = []
-    for name in _stdlib_modules():
+    for name in module_names:
         module = _quiet_import(name)
         if module is None:
             continue
         members = []
         for attr, obj in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+            if attr.startswith("_") or not owner(name, obj):
                 continue
             if inspect.isfunction(obj):
                 members.append((attr, obj))
@@ -554,16 +555,82 @@ def stdlib_code_prompts(seed: int) -> list[tuple[str, str]]:
                 continue
             doc = " ".join(doc.split("\n\n")[0].split())
             try:
-                sig = str(inspect.signature(fn))
+                signature = inspect.signature(fn)
             except (TypeError, ValueError):
                 continue
+            if kind != "stdlib":  # third-party annotations are long strings; the names say enough
+                signature = signature.replace(
+                    parameters=[q.replace(annotation=inspect.Parameter.empty) for q in signature.parameters.values()],
+                    return_annotation=inspect.Signature.empty)
+            sig = str(signature)
             # reprs of default objects carry addresses (not reproducible) or are not Python
             if not 6 <= len(doc.split()) <= 80 or "<" in sig or '"""' in doc or (fname, doc) in seen:
                 continue
             seen.add((fname, doc))
-            rng = random.Random(f"stdlib:{seed}:{name}.{fname}")
-            out.append(("stdlib:code", rng.choice(_STDLIB_TEMPLATES).format(name=fname, sig=sig, doc=doc)))
-    random.Random(f"stdlib-order:{seed}").shuffle(out)
+            rng = random.Random(f"{kind}:{seed}:{name}.{fname}")
+            out.append((f"{kind}:code", rng.choice(_STDLIB_TEMPLATES).format(name=fname, sig=sig, doc=doc)))
+    random.Random(f"{kind}-order:{seed}").shuffle(out)
+    return out
+
+
+def stdlib_code_prompts(seed: int) -> list[tuple[str, str]]:
+    """("stdlib:code", request) pairs: "write this function" requests built from the public
+    functions and methods of the Python standard library installed here (signature + the first
+    paragraph of the docstring, 6–80 words), one of four phrasings each, in a seeded order.
+    HumanEval-like requests without HumanEval's problems; the list depends on the Python
+    version (recorded by the corpus that uses it)."""
+    return _function_requests(_stdlib_modules(), "stdlib", seed)
+
+
+# Third-party packages the suite's own dependencies install (numpy, scipy, pandas; networkx and
+# sympy, which pulls in mpmath, come with torch), so a fresh set-up has them all.
+PACKAGE_SOURCES = ("numpy", "scipy", "pandas", "networkx", "sympy", "mpmath")
+PACKAGE_CAP = 800  # requests a package, so the largest (sympy: ~3 800) does not make up half of them
+_PACKAGE_SKIP = {"tests", "testing", "conftest", "setup", "benchmarks"}
+
+
+def package_versions(packages=PACKAGE_SOURCES) -> dict[str, str | None]:
+    from importlib import metadata
+
+    out = {}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def package_code_prompts(seed: int, packages=PACKAGE_SOURCES, cap: int = PACKAGE_CAP) -> list[tuple[str, str]]:
+    """("package:code", request) pairs like `stdlib_code_prompts`, from the public functions and
+    methods of installed third-party packages: every public submodule lists what it exposes from
+    the package (re-exports from private modules included, each function once), at most `cap`
+    requests a package, taken in turn from each package so that every shard mixes them. Depends
+    on the packages' versions (`package_versions`, recorded by the corpus that uses it); a
+    package that is not installed gives nothing."""
+    import pkgutil
+
+    per_package = []
+    for package in packages:
+        root = _quiet_import(package)
+        if root is None or not hasattr(root, "__path__"):
+            continue
+        names = [package] + [info.name for info in pkgutil.walk_packages(root.__path__, package + ".",
+                                                                         onerror=lambda _: None)
+                             if not any(p.startswith("_") or p in _PACKAGE_SKIP for p in info.name.split("."))]
+        listed: set[int] = set()
+
+        def owner(name, obj, package=package, listed=listed):
+            # each function once, under the first public module that exposes it
+            if str(getattr(obj, "__module__", None) or "").split(".")[0] != package or id(obj) in listed:
+                return False
+            listed.add(id(obj))
+            return True
+
+        per_package.append(_function_requests(names, "package", derive_seed(seed, package), owner)[:cap])
+    out = []
+    for k in range(max((len(p) for p in per_package), default=0)):
+        out += [p[k] for p in per_package if k < len(p)]
     return out
 
 
