@@ -194,6 +194,52 @@ def test_attention_kernel_is_as_accurate_as_sdpa_and_row_invariant(nh, nkv, q, h
                                           k_cache, v_cache, mask)
 
 
+@torch.inference_mode()
+def test_attention_bits_depend_on_the_keys_a_query_sees_not_on_their_slots():
+    """A tree node sees the prefix and its ancestors at scattered slots; the AR step that computes
+    the same token saw the same keys in consecutive slots. Same keys in the same order: same bits."""
+    generator = torch.Generator().manual_seed(5)
+    nh, nkv, hd, prefix, spread = 9, 3, 64, 37, 50
+    xq = torch.randn(1, nh, 1, hd, generator=generator).to(torch.bfloat16)
+    keys, values = (torch.randn(1, nkv, prefix + spread, hd, generator=generator).to(torch.bfloat16) for _ in range(2))
+    for trial in range(20):
+        chosen = prefix + torch.randperm(spread, generator=generator)[:1 + trial % 9].sort().values
+        scattered = torch.zeros(1, 1, prefix + spread, dtype=torch.bool)
+        scattered[..., :prefix] = True
+        scattered[..., chosen] = True
+        seen = torch.cat([torch.arange(prefix), chosen])
+        packed_keys, packed_values = keys[:, :, seen].contiguous(), values[:, :, seen].contiguous()
+        consecutive = torch.ones(1, 1, len(seen), dtype=torch.bool)
+        assert torch.equal(cpu_kernels.attend(xq, keys, values, scattered),
+                           cpu_kernels.attend(xq, packed_keys, packed_values, consecutive))
+
+
+@pytest.mark.parametrize("branching", [(4, 4), (3, 3, 3)])  # 20 and 39 draft nodes: more than a chain verifies
+def test_a_tree_verify_takes_the_kernels_and_stays_token_identical_to_ar(branching, monkeypatch):
+    """Greedy tree decoding (the target drafting for itself, so paths are accepted deep and a node's
+    ancestors sit at scattered slots) gives AR's tokens in bf16: the tree's verify forward takes the
+    kernels of the AR steps (up to MAX_ATTEND_TOKENS tokens a row), whose bits are a row's own."""
+    import copy
+
+    from specbench.engine.core import SamplingConfig, generate
+    from specbench.engine.policy import Policy
+    from tests.tiny import random_prompts
+    from tests.tree_policy import TreeDraft
+
+    target = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
+    calls = []
+    layers = cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape[1]) or layers(*a))
+    prompts = random_prompts(6, 96, seed=7)
+    config = SamplingConfig(max_new_tokens=16)
+    reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
+    policy = TreeDraft(copy.deepcopy(target), branching=branching)
+    out = [generate(target, policy, [p], config).requests[0] for p in prompts]
+    assert [r.output_ids for r in out] == reference
+    assert max(calls) == 1 + policy.max_draft <= cpu_kernels.MAX_ATTEND_TOKENS
+    assert sum(r.tau for r in out) / len(out) > 2  # paths were accepted below the first level
+
+
 def _torch_routes(fn):
     cpu_kernels.ENABLED = False
     try:
@@ -295,14 +341,15 @@ def test_all_layers_in_one_call_give_the_bits_of_the_per_module_path(b, q, monke
 
 
 def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(monkeypatch):
-    """Too many rows for the GEMV, fp32, or one layer's stale pack: the per-module path runs."""
+    """A prefill, too many rows for the GEMV, fp32, or one layer's stale pack: the per-module path runs."""
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
     calls = []
     layers = cpu_kernels.decoder_layers
     monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(1) or layers(*a))
     with torch.inference_mode():
         model.setup_cache(1, 128)
-        forward_new_tokens(model, torch.randint(0, 96, (1, cpu_kernels.max_rows() + 1)), torch.zeros(1, dtype=torch.long))
+        # a prefill: more tokens a row than a decode or verify forward has
+        forward_new_tokens(model, torch.randint(0, 96, (1, cpu_kernels.MAX_ATTEND_TOKENS + 1)), torch.zeros(1, dtype=torch.long))
         assert not calls
         over = cpu_kernels.max_rows(1) + 1  # more rows than the GEMV takes in a decode step, one token each
         model.setup_cache(over, 16)

@@ -365,9 +365,11 @@ at::Tensor qkv_rope_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, con
 // (the layout VDPBF16PS wants), so one query's 16 scores accumulate side by side, pair by pair in
 // increasing order, in fp32. Then a vector exp, the softmax sum per lane, and Σ p·v over the keys in
 // increasing order, in fp32, skipping terms whose p is 0; the output is rounded to bf16 once. A
-// masked key scores -inf, i.e. p = 0, so a query's bits depend on neither the number of rows, nor
-// of tokens per row, nor the cache length past its last visible slot: a verify forward attends
-// exactly as the AR steps it replaces. A query that sees no slot gives zeros (SDPA: NaN).
+// masked key scores -inf, i.e. p = 0, and the softmax's sum runs over the visible keys packed in
+// slot order, so a query's bits depend on neither the number of rows, nor of tokens per row, nor
+// the cache length past its last visible slot, nor the slots its visible keys sit in: a chain or
+// tree verify forward attends exactly as the AR steps it replaces. A query that sees no slot gives
+// zeros (SDPA: NaN).
 
 // e^x for x <= 0 (x = -inf gives 0): 2^n · e^r, n = round(x / ln 2), |r| <= ln 2 / 2, Taylor to r^7.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -461,6 +463,7 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
     }
   }
   std::vector<float> inv_sum(R);
+  std::vector<float> visible_p(static_cast<size_t>(L16 + 16));
   for (int i = 0; i < R; ++i) {
     float* s = scores + i * L16;
     __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -471,13 +474,23 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
       inv_sum[i] = 0.f;
       continue;
     }
+    // The sum of p runs over the visible keys packed in slot order: the n-th visible key adds into
+    // lane n % 16, wherever its slot is. So a query's bits depend on which keys it sees, not on
+    // where they sit: a tree node seeing the prefix and its ancestors at scattered slots sums as
+    // the AR step that sees the same keys in consecutive slots. (Where the visible keys are a
+    // prefix of the slots, the lanes are the slots' own, as before.)
     const __m512 mx = _mm512_set1_ps(row_max);
-    __m512 lsum = _mm512_setzero_ps();
+    int64_t n_visible = 0;
     for (int64_t j0 = 0; j0 < L16; j0 += 16) {
       const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j0), mx));
       _mm512_storeu_ps(s + j0, p);
-      lsum = _mm512_add_ps(lsum, p);
+      const __mmask16 live = visible_16(mask_rows[i], j0, L);
+      _mm512_mask_compressstoreu_ps(visible_p.data() + n_visible, live, p);
+      n_visible += __builtin_popcount(static_cast<unsigned>(live));
     }
+    _mm512_storeu_ps(visible_p.data() + n_visible, _mm512_setzero_ps());
+    __m512 lsum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < n_visible; j0 += 16) lsum = _mm512_add_ps(lsum, _mm512_loadu_ps(visible_p.data() + j0));
     inv_sum[i] = 1.f / _mm512_reduce_add_ps(lsum);
   }
   // Σ p·v, 4 queries at a time sharing each value row's conversion to fp32.

@@ -10,8 +10,8 @@ fails (one line on stderr says why), model.py takes torch's routes. `SPECBENCH_C
 turns the kernels off (A/B runs, bisecting); benchmarks flip `ENABLED`.
 
 Everything here works row by row in a fixed order, so a row gets the same bits alone or in a
-batch: at b = 1 a verify forward of up to `max_rows()` tokens computes exactly what the AR steps it
-replaces would (tests/test_cpu_kernels.py). The GEMV and the norm's sum of squares round in other
+batch: at b = 1 a chain or tree verify forward of up to `MAX_ATTEND_TOKENS` tokens computes exactly
+what the AR steps it replaces would (tests/test_cpu_kernels.py). The GEMV and the norm's sum of squares round in other
 orders than torch's, so their bits are not torch's; rope and the residual add are.
 """
 from __future__ import annotations
@@ -47,11 +47,14 @@ MAX_DECODE_ROWS_AMX = 256
 MAX_DECODE_ROWS_AVX512 = 128
 # Forwards of up to this many new tokens per row, and at most `max_rows()` rows in all (where the
 # GEMV's route changes too), attend with `attend` instead of SDPA: AR steps at any batch size up to
-# that, chain verification at small ones. Beyond, both routes are torch's, for AR and verify
-# alike. Median µs per layer, attend vs SDPA, 320 cached slots, 2-core Xeon (AMX), one run:
-# b = 1: q = 1 20 vs 68, q = 8 83 vs 113; b = 8: q = 1 100 vs 295, q = 8 553 vs 556;
+# that, chain verification at small ones, and tree verification (EAGLE's 60 nodes + the anchor) at
+# b = 1 and 2. Beyond, both routes are torch's, for AR and verify alike. 64, not 8 (sessions 7–15):
+# a tree verified on torch's routes rounds otherwise than the AR steps it replaces, and greedy EAGLE
+# trees in bf16 were token-identical to `ar` on 23 of 72 requests (docs/performance.md "Session 16").
+# Speed is second to that; median µs per layer, attend vs SDPA, 320 cached slots, 2-core Xeon (AMX),
+# one run: b = 1: q = 1 20 vs 68, q = 8 83 vs 113; b = 8: q = 1 100 vs 295, q = 8 553 vs 556;
 # b = 16, q = 8: 1153 vs 990; b = 1, q = 64 (a tree): 578 vs 365.
-MAX_ATTEND_TOKENS = 8
+MAX_ATTEND_TOKENS = 64
 BLOCK = 32  # output features per packed block (cpu_kernels.cpp: kBlock)
 ENABLED = os.environ.get("SPECBENCH_CPU_KERNELS", "1") != "0"
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
