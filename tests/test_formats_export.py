@@ -30,9 +30,9 @@ def target(tmp_path_factory):
     return load_model(str(hf_target_dir(tmp_path_factory.mktemp("target") / "tiny-qwen3")))
 
 
-def suite_block_drafter(target, out, variant="dspark", seed=3, draft_vocab=0):
+def suite_block_drafter(target, out, variant="dspark", seed=3, draft_vocab=0, qk_norm=None):
     args = DSparkArgs.for_target(target.model.args, tap_layers=TAPS, variant=variant, n_layers=2, block_size=4,
-                                 markov_rank=6, draft_vocab=draft_vocab)
+                                 markov_rank=6, draft_vocab=draft_vocab, qk_norm=qk_norm)
     drafter = build_drafter(args, target.model)
     if draft_vocab:
         drafter.set_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
@@ -89,6 +89,12 @@ def test_export_deepspec(tmp_path, target, variant):
     out = tmp_path / "deepspec"
     assert main(["export", "--drafter", str(tmp_path / "suite"), "--target", target.path,
                  "--format", "deepspec", "--out", str(out)]) == 0
+    matches_reference(drafter, out, target)
+
+
+def matches_reference(drafter, out, target):
+    """The export at `out` loaded by the reference module and re-imported by the suite both draft
+    what the suite's `drafter` drafts."""
     ref, embed, lm_head, mask_id = specforge_from_deepspec(out)
     assert mask_id == target.eos_token_ids[0]
     _, features, anchors = features_and_anchors(target)
@@ -216,7 +222,12 @@ def test_export_refuses_llama_layers(tmp_path, capsys):
     assert main(["export", "--drafter", str(tmp_path / "suite"), "--target", llama.path, "--format", "deepspec",
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "Qwen3 layers" in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert "Qwen3 layers" in err and "--qk-norm" in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
+    # trained with q/k norms (train --qk-norm), the same target's drafter has the Qwen3 layout
+    drafter = suite_block_drafter(llama, tmp_path / "suite-qk", qk_norm=True)
+    assert main(["export", "--drafter", str(tmp_path / "suite-qk"), "--target", llama.path, "--format", "deepspec",
+                 "--out", str(tmp_path / "out")]) == 0
+    matches_reference(drafter, tmp_path / "out", llama)
 
 
 def test_eagle3_export_for_vllm_drops_the_identity_vocabulary_maps(tmp_path, target, monkeypatch):

@@ -343,3 +343,12 @@ def test_warm_start_continues_a_trained_drafter(target, data, trained, tmp_path)
     with pytest.raises(UserError, match="markov_rank"):
         train(target, data, tmp_path / "y", budget=budget(steps=6, markov_rank=4), seed=0, policy="dspark",
               progress=False, init=str(src))
+    # q/k norms may be added (weights 1: the Qwen3 layout DeepSpec and vLLM load), not taken away
+    normed = train(target, data, tmp_path / "q", budget=budget(steps=6, qk_norm=True), seed=0, policy="dspark",
+                   progress=False, init=str(src))
+    assert "q/k norms (weights 1) added" in normed.extra["warm start"] and "q/k norms" in normed.extra["architecture"]
+    config = json.loads((tmp_path / "q" / "drafter.json").read_text())
+    assert config["model_args"]["model_args"]["qk_norm"] is True
+    assert abs(normed.history[0]["loss"] - first.history[-1]["loss"]) < 0.5 * first.history[-1]["loss"]
+    with pytest.raises(UserError, match="qk_norm|model_args"):
+        train(target, data, tmp_path / "z", budget=b, seed=0, policy="dspark", progress=False, init=str(tmp_path / "q"))

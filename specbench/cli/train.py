@@ -64,6 +64,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     add_dtype_argument(p)  # the target's dtype (data generation, features); drafters train with fp32 master weights
     p.add_argument("--tap-layers", help="comma-separated target layers to cache (default: 3 evenly spaced)")
+    p.add_argument("--qk-norm", action="store_true",
+                   help="dspark / dflash: q/k norms in the draft layers whatever the target's, i.e. Qwen3 layers, "
+                        "the layout DeepSpec and vLLM load (specbench export --format deepspec); with --init a "
+                        "drafter without them, they are added with weights 1")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
     return p
@@ -89,6 +93,10 @@ def main(args: argparse.Namespace) -> int:
     trainer = trainer_for(args.policy)
     budget = get_budget(args.budget, steps=getattr(args, "steps", None), batch_size=getattr(args, "batch_size", None),
                         lr=getattr(args, "lr", None), eval_every=getattr(args, "eval_every", None))
+    if getattr(args, "qk_norm", False):
+        if args.policy not in ("dspark", "dflash"):
+            raise UserError(f"--qk-norm applies to dspark and dflash drafters, not {args.policy}")
+        budget["qk_norm"] = True
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")
@@ -196,6 +204,10 @@ def corpus_main(args: argparse.Namespace) -> int:
     from specbench.train.common import measured_cpu_dtype
     from specbench.train.corpus import build_corpus
 
+    if getattr(args, "qk_norm", False):
+        if args.policy not in ("dspark", "dflash"):
+            raise UserError(f"--qk-norm applies to dspark and dflash drafters, not {args.policy}")
+        budget["qk_norm"] = True
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")

@@ -111,13 +111,17 @@ class DSparkArgs:
 
     @classmethod
     def for_target(cls, target_args: ModelArgs, tap_layers: list[int], variant: str = "dspark", n_layers: int = 2,
-                   block_size: int = 7, markov_rank: int = 64, draft_vocab: int = 0) -> "DSparkArgs":
+                   block_size: int = 7, markov_rank: int = 64, draft_vocab: int = 0,
+                   qk_norm: bool | None = None) -> "DSparkArgs":
         """Defaults sized for a small target (issue 4: fewer layers and a smaller rank than the
         paper's 5 / 256): 2 draft layers, γ = 7, r = 64. variant "dflash" drops both heads.
-        tap_layers: the training data's (specbench.train.data.default_tap_layers: 1 … L−3)."""
+        tap_layers: the training data's (specbench.train.data.default_tap_layers: 1 … L−3).
+        qk_norm: per-head q/k norms in the draft layers (None: the target's choice); True gives a
+        Llama target a drafter in the Qwen3 layout that DeepSpec and vLLM load."""
         if variant not in KINDS:
             raise ValueError(f"variant must be one of {KINDS}, not {variant!r}")
-        args = ModelArgs(**{**target_args.to_dict(), "n_layers": n_layers})
+        layers = {"n_layers": n_layers} if qk_norm is None else {"n_layers": n_layers, "qk_norm": bool(qk_norm)}
+        args = ModelArgs(**{**target_args.to_dict(), **layers})
         taps = list(tap_layers)
         dspark = variant == "dspark"
         return cls(model_args=args, tap_layers=taps, block_size=block_size,

@@ -255,27 +255,46 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
 
     config, state = read_checkpoint(spec, target, kind=kind)
     theirs, ours = config.get("model_args") or {}, json.loads(json.dumps(model_args))
+    # One change is allowed: q/k norms added to layers that had none (their weights start at 1),
+    # e.g. to carry a Llama-layered drafter over to the Qwen3 layout that DeepSpec and vLLM load.
+    adds_qk_norm = _layer_args(ours).get("qk_norm") is True and not _layer_args(theirs).get("qk_norm")
+    if adds_qk_norm:
+        theirs = json.loads(json.dumps(theirs))
+        _layer_args(theirs)["qk_norm"] = True
     if theirs != ours:
         differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
         raise UserError(f"--init {spec}: its architecture differs from this run's in {', '.join(differ)}")
     shared = {t.data_ptr() for t in (target.model.model.embed_tokens.weight, target.model.lm_head.weight)}
     own = model.state_dict()
     unknown = sorted(set(state) - set(own))
-    absent = sorted(n for n, t in own.items() if n not in state and not (t.numel() and t.data_ptr() in shared))
+    absent = sorted(n for n, t in own.items() if n not in state and not (t.numel() and t.data_ptr() in shared)
+                    and not (adds_qk_norm and n.endswith(("q_norm.weight", "k_norm.weight"))))
     if unknown or absent:
         raise UserError(f"--init {spec}: its weights do not match this model ({(unknown + absent)[:3]})")
     with torch.no_grad():
         for name, t in state.items():
             own[name].copy_(t.to(own[name].dtype))
     training = config.get("training") or {}
-    return {"from": str(resolve_checkpoint(spec)), "steps": training.get("steps"),
+    info = {"from": str(resolve_checkpoint(spec)), "steps": training.get("steps"),
             "n_loss_tokens": (training.get("data") or {}).get("n_loss_tokens"),
             "warm_start": training.get("warm_start")}
+    if adds_qk_norm:
+        info["added"] = "q/k norms (weights 1)"
+    return info
+
+
+def _layer_args(model_args: dict) -> dict:
+    """The layers' ModelArgs dict inside a drafter's model_args (DSpark nests it; EAGLE and the
+    draft LM keep theirs flat or nested likewise)."""
+    inner = model_args.get("model_args")
+    return inner if isinstance(inner, dict) else model_args
 
 
 def warm_start_line(info: dict) -> str:
     """The card's line for a warm-started run, with the chain of earlier runs it continues."""
     line = f"`{info['from']}` ({info['steps']} steps on {info['n_loss_tokens']} supervised tokens"
+    if info.get("added"):
+        line += f"; {info['added']} added"
     if info.get("warm_start"):
         line += ", itself continuing " + warm_start_line(info["warm_start"])
     return line + ")"

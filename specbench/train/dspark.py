@@ -48,7 +48,8 @@ __all__ = ["train", "load_dspark_drafter", "sample_anchors", "make_blocks", "blo
 
 LOSS_WEIGHTS = {"dspark": {"ce": 0.1, "l1": 0.9, "conf": 1.0}, "dflash": {"ce": 1.0, "l1": 0.0, "conf": 0.0}}
 DECAY = 4.0  # w_k = exp(−k / DECAY), DeepSpec's loss_decay_gamma (docs/dspark.md §6.2)
-DEFAULTS = {"draft_layers": 2, "block_size": 7, "markov_rank": 64, "anchors": 32, "val_fraction": 0.05, "draft_vocab": 0}
+DEFAULTS = {"draft_layers": 2, "block_size": 7, "markov_rank": 64, "anchors": 32, "val_fraction": 0.05, "draft_vocab": 0,
+            "qk_norm": None}  # qk_norm None: the target's layers; True: q/k norms (Qwen3 layout: DeepSpec, vLLM)
 FIELDS = ("input_ids", "loss_mask", "taps", "last_hidden")
 TARGET_STATS = ("target_lse", "target_argmax")  # per-token, from common.attach_target_stats
 
@@ -236,7 +237,8 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     device = target.model.device
     args = DSparkArgs.for_target(target.model.args, tap_layers=data.tap_layers, variant=variant,
                                  n_layers=int(opts["draft_layers"]), block_size=int(opts["block_size"]),
-                                 markov_rank=int(opts["markov_rank"]), draft_vocab=int(opts["draft_vocab"]))
+                                 markov_rank=int(opts["markov_rank"]), draft_vocab=int(opts["draft_vocab"]),
+                                 qk_norm=opts["qk_norm"])
     torch.manual_seed(seed)
     drafter = build_drafter(args, target.model, dtype=torch.float32)  # fp32 master weights
     drafter.init_weights(torch.Generator().manual_seed(seed))
@@ -272,7 +274,8 @@ def train(target, data, out_dir, *, budget: dict, seed: int = 0, resume: bool = 
     loss_text = " + ".join(f"{weights[k]}·{name}" for k, name in (("ce", "CE"), ("l1", "L1"), ("conf", "BCE(conf)"))
                            if weights[k] > 0)
     extra = {
-        "architecture": (f"{args.model_args.n_layers} draft layers (target width), block γ = {args.block_size}, "
+        "architecture": (f"{args.model_args.n_layers} draft layers (target width"
+                         f"{', q/k norms' if args.model_args.qk_norm else ''}), block γ = {args.block_size}, "
                          f"taps {args.tap_layers}, Markov rank {args.markov_rank}, "
                          f"confidence head {'on' if args.confidence_head else 'off'}, learned mask embedding, "
                          f"draft vocabulary {args.draft_vocab or 'all'} tokens"),

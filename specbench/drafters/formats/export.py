@@ -83,7 +83,8 @@ def export(drafter_spec: str, fmt: str, out: Path, target, full_vocabulary: bool
         if not m.qk_norm or m.attention_bias:
             raise UserError(f"drafter {drafter_spec}: DeepSpec's Qwen3DSparkModel has Qwen3 layers (q/k norms, no "
                             f"q/k/v bias); this drafter's layers follow its {m.extra.get('model_type', 'llama')} target "
-                            f"(qk_norm={m.qk_norm}, attention_bias={m.attention_bias}), so it cannot be written exactly")
+                            f"(qk_norm={m.qk_norm}, attention_bias={m.attention_bias}), so it cannot be written exactly; "
+                            "train one with q/k norms (specbench train --qk-norm, e.g. --init this drafter)")
         if drafter.args.draft_vocab and not full_vocabulary:
             raise UserError(f"drafter {drafter_spec} drafts from a reduced vocabulary of {drafter.args.draft_vocab} "
                             "tokens; the DeepSpec layout scores the whole vocabulary, so it cannot be exported exactly "
