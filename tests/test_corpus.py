@@ -121,13 +121,20 @@ def test_third_party_requests_follow_the_standard_library(target, tmp_path, monk
     assert manifest["totals"]["prompt_sources"]["package:code"] == len(from_packages)
 
 
-def test_package_requests_are_reproducible_capped_and_interleaved():
+def test_package_requests_are_reproducible_capped_and_interleaved(monkeypatch):
     from specbench.train.data import package_code_prompts, package_versions
 
     one = package_code_prompts(0, packages=("mpmath", "no_such_package_here"), cap=50)
     assert one == package_code_prompts(0, packages=("mpmath",), cap=50) and len(one) == 50
     assert one != package_code_prompts(1, packages=("mpmath",), cap=50)
     assert all(source == "package:code" and '"""' not in text.split("```python")[0] for source, text in one)
+    everything = package_code_prompts(0, packages=("mpmath",), cap=10**6)  # ifac's memo table is left out
+    assert everything and max(len(text) for _, text in everything) < 1200
+    # a function more or less (another version of the package) moves no other request
+    from specbench.train import data as data_module
+    monkeypatch.setattr(data_module, "MAX_PACKAGE_SIGNATURE", 60)
+    fewer = package_code_prompts(0, packages=("mpmath",), cap=10**6)
+    assert 0 < len(fewer) < len(everything) and [p for p in everything if p in fewer] == fewer
     assert package_versions(("mpmath", "no_such_package_here"))["no_such_package_here"] is None
     # in turn from each package: no run of one package's requests while the other has some left
     both = package_code_prompts(0, packages=("mpmath", "networkx"), cap=20)

@@ -566,11 +566,21 @@ def _function_requests(module_names: list[str], kind: str, seed: int, owner=None
             # reprs of default objects carry addresses (not reproducible) or are not Python
             if not 6 <= len(doc.split()) <= 80 or "<" in sig or '"""' in doc or (fname, doc) in seen:
                 continue
+            # A default's repr can be a whole table (mpmath's `ifac(n, memo={...})`: 18 000 characters,
+            # and a cache the package fills as it runs); the standard library's longest is 400.
+            if kind != "stdlib" and len(sig) > MAX_PACKAGE_SIGNATURE:
+                continue
             seen.add((fname, doc))
-            rng = random.Random(f"{kind}:{seed}:{name}.{fname}")
-            out.append((f"{kind}:code", rng.choice(_STDLIB_TEMPLATES).format(name=fname, sig=sig, doc=doc)))
-    random.Random(f"{kind}-order:{seed}").shuffle(out)
-    return out
+            key = f"{kind}:{seed}:{name}.{fname}"
+            text = random.Random(key).choice(_STDLIB_TEMPLATES).format(name=fname, sig=sig, doc=doc)
+            out.append((hashlib.sha256(key.encode()).digest(), (f"{kind}:code", text)))
+    if kind == "stdlib":  # the order the code corpus' first shards were built in
+        pairs = [pair for _, pair in out]
+        random.Random(f"{kind}-order:{seed}").shuffle(pairs)
+        return pairs
+    # Each request's place is its own hash, so a function more or less (another version of a
+    # package) moves no other request: a corpus continued later takes the same ones.
+    return [pair for _, pair in sorted(out)]
 
 
 def stdlib_code_prompts(seed: int) -> list[tuple[str, str]]:
@@ -585,6 +595,7 @@ def stdlib_code_prompts(seed: int) -> list[tuple[str, str]]:
 # Third-party packages the suite's own dependencies install (numpy, scipy, pandas; networkx and
 # sympy, which pulls in mpmath, come with torch), so a fresh set-up has them all.
 PACKAGE_SOURCES = ("numpy", "scipy", "pandas", "networkx", "sympy", "mpmath")
+MAX_PACKAGE_SIGNATURE = 240  # characters
 PACKAGE_CAP = 800  # requests a package, so the largest (sympy: ~3 800) does not make up half of them
 _PACKAGE_SKIP = {"tests", "testing", "conftest", "setup", "benchmarks"}
 
