@@ -455,3 +455,22 @@ def test_greedy_identity_default_model(default_model):
             out = decode_in_batches(model, policy, prompts, batch_size, config)
             assert [r.output_ids for r in out] == reference, (policy.mode, batch_size)
             assert sum(r.drafted for r in out) > 0 and sum(r.accepted for r in out) > 0, (policy.mode, batch_size)
+
+
+def test_reduced_vocabulary_rows_are_kept_and_score_like_the_full_head():
+    """The draft vocabulary's lm_head rows are built once per head (so their packed copy, keyed by
+    storage, is never stale) and score every token as the whole head does, to bf16 rounding."""
+    model = tiny_model(vocab=96, dim=256, layers=3, seed=0, dtype=torch.bfloat16)
+    head = random_head(model, TAPS).to(torch.bfloat16)
+    head.vocab_rank.copy_(torch.randperm(96, generator=torch.Generator().manual_seed(2)).int())
+    vocab = head.draft_vocab(40)
+    assert head.draft_vocab(40) is vocab and head.draft_vocab(20) is not vocab
+    hidden = torch.randn(3, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        logits, ids = head.draft_logits(hidden, vocab)
+        full, _ = head.draft_logits(hidden)
+        again, _ = head.draft_logits(hidden, vocab)
+    assert torch.equal(ids, vocab[0]) and torch.equal(logits, again)
+    assert (logits.float() - full[:, ids].float()).abs().max() <= 0.02 * full.float().abs().max()
+    head.vocab_rank.copy_(torch.arange(96, dtype=torch.int32))  # another ranking: other rows
+    assert not torch.equal(head.draft_vocab(40)[0], vocab[0])

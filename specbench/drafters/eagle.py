@@ -156,7 +156,7 @@ class EagleHead(nn.Module):
         # first n are the reduced draft vocabulary of `set_draft_vocab(n)`.
         self.register_buffer("vocab_rank", torch.arange(a.vocab_size, dtype=torch.int32))
         self._frozen = (embed_weight, lm_head_weight)  # a tuple hides them from nn.Module
-        self._head_pack: tuple | None = None  # (key, lm_head packed for oneDNN), see logits
+        self._head_pack: dict | None = None  # {key: packs} of the heads in use, see _project
         self.ctx_len: Tensor | None = None
         self.h_last: Tensor | None = None
         self.max_batch = self.max_seq = 0
@@ -217,21 +217,27 @@ class EagleHead(nn.Module):
         return out
 
     def __getstate__(self):  # copies and pickles leave the oneDNN packs behind
-        return {**super().__getstate__(), "_head_pack": None}
+        return {**super().__getstate__(), "_head_pack": None, "_draft_vocab_memo": {}}
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """lm_head(norm(h)) with the target's frozen head (under autocast F.linear casts it). In
-        inference, bf16 on a CPU, through that head packed once for oneDNN (it scores every
-        frontier node of every tree level)."""
-        h = self.norm(hidden)
-        w = self.lm_head_weight
+        """lm_head(norm(h)) with the target's frozen head (under autocast F.linear casts it)."""
+        return self._project(self.norm(hidden), self.lm_head_weight)
+
+    def _project(self, h: Tensor, w: Tensor) -> Tensor:
+        """h · wᵀ for the head `w` (the whole lm_head or a draft vocabulary's rows). In inference,
+        bf16 on a CPU, through `w` packed once (it scores every frontier node of every tree level):
+        the GEMV takes one reduced-vocabulary row in a third of F.linear's time (0.13 against 0.39 ms
+        for 8192 × 576, one thread, 2-core EPYC), which reorders the weight on every call."""
         if w.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
             w = w.to(h.dtype)
         elif w.dtype == h.dtype and not torch.is_grad_enabled():
             key = (w.data_ptr(), w._version)
-            if self._head_pack is None or self._head_pack[0] != key:
-                self._head_pack = (key, pack_weight(w))
-            return linear(h, w, None, fresh_pack(w, self._head_pack[1]))
+            packs = self._head_pack or {}
+            if key not in packs:  # at most the whole head and one draft vocabulary's rows in use
+                packs = {k: v for k, v in list(packs.items())[-1:]}
+                packs[key] = pack_weight(w)
+                self._head_pack = packs
+            return linear(h, w, None, fresh_pack(w, packs[key]))
         return F.linear(h, w)
 
     def draft_vocab(self, n: int = 0) -> tuple[Tensor, Tensor] | None:
@@ -241,14 +247,19 @@ class EagleHead(nn.Module):
         per-level vocabulary projection by V/n; tokens outside it are never drafted."""
         if not n or n >= self.args.model_args.vocab_size:
             return None
-        ids = self.vocab_rank[:n].long().sort().values.to(self.device)
-        return ids, self.lm_head_weight[ids].to(self.dtype)
+        # Kept for the head's life: the packed copy of the rows (`_project`) is keyed by their storage.
+        key = (n, self.vocab_rank.data_ptr(), self.vocab_rank._version, self.dtype, self.device)
+        memo = self.__dict__.setdefault("_draft_vocab_memo", {})
+        if key not in memo:
+            ids = self.vocab_rank[:n].long().sort().values.to(self.device)
+            memo[key] = (ids, self.lm_head_weight[ids].to(self.dtype))
+        return memo[key]
 
     def draft_logits(self, hidden: Tensor, vocab: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """(logits [..., n] over `vocab` (from `draft_vocab`; None = all tokens), its ids or None)."""
         if vocab is None:
             return self.logits(hidden), None
-        return F.linear(self.norm(hidden), vocab[1]), vocab[0]
+        return self._project(self.norm(hidden), vocab[1]), vocab[0]
 
     # ------------------------------------------------------------------------------------------
     # Training: the step-0 pass over whole sequences and the unrolled training-time-test steps
