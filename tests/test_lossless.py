@@ -17,6 +17,7 @@ import torch
 
 import specbench.engine.core as core
 from specbench.engine.core import SamplingConfig, generate
+from specbench.errors import UserError
 from specbench.policies.fixed_k import FixedK
 from specbench.policies.pld import PromptLookup
 from specbench.engine.policy import Policy
@@ -51,7 +52,15 @@ def policies(target):
         "pld": PromptLookup(k=4, max_ngram=3),
         "fixed-k(random draft)": FixedK(tiny_model(vocab=VOCAB, seed=1, layers=1, scale=4.0, dtype=dtype), k=4),
         "fixed-k(self draft)": FixedK(target, k=3),
+        "fixed-k(reduced draft vocabulary)": FixedK(ranked(tiny_model(vocab=VOCAB, seed=1, layers=1, scale=4.0,
+                                                                       dtype=dtype)), k=4, draft_vocab=VOCAB // 2),
     }
+
+
+def ranked(draft, seed: int = 5):
+    """A draft LM with a token ranking, as trained draft LMs store (`vocab_rank`)."""
+    draft.vocab_rank = torch.randperm(draft.args.vocab_size, generator=torch.Generator().manual_seed(seed)).int()
+    return draft
 
 
 @pytest.mark.parametrize("batch_size,dtype", [(1, FP32), (4, FP32), (16, FP32), (1, BF16), (16, BF16)],
@@ -116,6 +125,23 @@ def test_fixed_k_sampling_matches_target(temperature, top_p, dtype):
     assert drafted > 0 and 0 < accepted < drafted  # both accept and reject paths are exercised
     pvalue, tv = chi_square(exact, counts)
     assert pvalue > 1e-3, f"fixed-k output distribution differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+def test_fixed_k_with_a_reduced_draft_vocabulary_matches_target():
+    """Drafting from half the vocabulary (tokens outside it have draft probability 0) stays lossless."""
+    target, draft = small_models_in(FP32)
+    vocab = draft.args.vocab_size
+    policy = FixedK(ranked(tiny_model(vocab=vocab, seed=11, layers=1, scale=2.0)), k=3, draft_vocab=vocab // 2)
+    subset = set(policy.vocab_ids.tolist())
+    assert len(subset) == vocab // 2 and policy.params()["draft_vocab"] == vocab // 2
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    counts, result = sampled_counts(target, policy, prompt, 1.0, 1.0)
+    assert sum(r.accepted for r in result.requests) > 0
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue > 1e-3, f"fixed-k (reduced vocabulary) differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+    with pytest.raises(UserError, match="no token ranking"):
+        FixedK(tiny_model(vocab=vocab, seed=11, layers=1), k=3, draft_vocab=vocab // 2)  # no ranking stored
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])

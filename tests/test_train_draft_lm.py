@@ -121,6 +121,8 @@ def test_training_lowers_loss_and_raises_tau(target, data, trained):
     assert config["model_args"]["n_layers"] == TINY["lm_layers"]
     stored = weights(out)
     assert "lm_head.weight" not in stored and "model.embed_tokens.weight" not in stored
+    rank = stored.pop("vocab_rank")  # the training split's token ranking (fixed-k's draft_vocab)
+    assert rank.dtype == torch.int32 and sorted(rank.tolist()) == list(range(target.model.args.vocab_size))
     assert all(t.dtype == torch.bfloat16 for t in stored.values())
     assert (out / "loss_curve.png").stat().st_size > 1000 and (out / "loss_history.json").is_file()
     # τ on the training prompts: the trained drafter beats its untrained initialisation
@@ -130,6 +132,7 @@ def test_training_lowers_loss_and_raises_tau(target, data, trained):
         prompts.append(s["input_ids"][: int((~s["loss_mask"]).sum())].tolist())
     untrained = draft_lm.init_draft_lm(target.model, TINY["lm_layers"]).eval().requires_grad_(False)
     drafter = load_draft_lm(str(out), target)
+    assert torch.equal(drafter.vocab_rank, rank)
     gains = []
     for temperature in (0.0, 1.0):
         before, after = tau(target, untrained, prompts, temperature), tau(target, drafter, prompts, temperature)
@@ -183,7 +186,7 @@ def test_refuses_other_target_and_corrupt_files(target, trained, tmp_path):
 
 def test_save_drafter_shards_and_exclusions(target, trained, tmp_path):
     draft = load_draft_lm(str(trained.out_dir), target)
-    state = draft.state_dict()  # holds the target's (shared) embedding and head
+    state = {**draft.state_dict(), "vocab_rank": draft.vocab_rank}  # the target's (shared) embedding and head too
     save_drafter(tmp_path / "s", "draft-lm", draft.args.to_dict(), state, target, {"note": "test"},
                  max_shard_bytes=8000)
     files = sorted((tmp_path / "s").glob("*.safetensors"))

@@ -105,6 +105,7 @@ def load_draft_lm(spec: str, target) -> Transformer:
     else:
         config, state = read_checkpoint(spec, target, kind="draft-lm")
         args = ModelArgs(**config["model_args"])
+        rank = state.pop("vocab_rank", None)  # token ids by training frequency (draft LMs from session 16 on)
         state = {k: v.to(dtype) for k, v in state.items()}
         state["model.embed_tokens.weight"] = base.model.embed_tokens.weight
         state["lm_head.weight"] = base.lm_head.weight
@@ -113,4 +114,12 @@ def load_draft_lm(spec: str, target) -> Transformer:
     # assign=True shares the target's tensors instead of copying them; the draft gets its own cache.
     draft.load_state_dict(state, assign=True, strict=True)
     draft.inv_freq = rope_inv_freq(args).to(base.device)  # a buffer, so meta-initialised: recompute
+    # The assigned tensors replaced what the constructor packed: pack again, or every draft step runs
+    # unpacked (one-row torch.mv per projection, no one-call layers: fixed-k's drafting round took
+    # 94 ms against the target's 21 ms verify, docs/performance.md "Session 16"). The head the draft
+    # shares with the target keeps the target's packs rather than a second copy of them.
+    draft.pack_weights()
+    if draft.lm_head.weight is base.lm_head.weight:
+        draft.lm_head.gemm_pack = base.lm_head.gemm_pack
+    draft.vocab_rank = None if spec == "self" or spec.startswith("truncate:") else rank
     return draft.eval().requires_grad_(False)

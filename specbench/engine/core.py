@@ -97,16 +97,17 @@ def graphed_for(model: Transformer, q: int):
     return graphed if graphed is not None and q <= graphed.max_q else None
 
 
-def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor, taps=()):
+def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor, taps=(), logits: bool = True):
     """Run `tokens` [b, q] as the continuation of each row's cache (row r starts at slot
-    cache_lengths[r]); returns the model's (logits, taps, hidden)."""
+    cache_lengths[r]); returns the model's (logits, taps, hidden). logits=False may skip the head
+    (logits None; a CUDA-graphed forward computes them anyway)."""
     b, q = tokens.shape
     positions = cache_lengths[:, None] + torch.arange(q, device=tokens.device)[None]
     graphed = graphed_for(model, q)
     if graphed is not None:  # static shapes: attend over the whole cache, the mask hides the rest
         return graphed(tokens, positions, positions, chain_mask(cache_lengths, q, model.max_seq), taps=taps)
     kv_len = round_to_bucket(int(cache_lengths.max()) + q, model.max_seq)
-    return model(tokens, positions, positions, chain_mask(cache_lengths, q, kv_len), taps=taps)
+    return model(tokens, positions, positions, chain_mask(cache_lengths, q, kv_len), taps=taps, logits=logits)
 
 
 @torch.inference_mode()

@@ -1,30 +1,61 @@
 """Fixed-K draft model (Leviathan et al. 2023; gpt-fast `speculative_decode`): a small LM that
 shares the target's tokenizer proposes K tokens autoregressively, sampled from its own processed
 distribution (same temperature / top-p as the target), and hands those exact distributions to the
-verifier. The drafter keeps its own KV cache, synced per row to the committed sequence."""
+verifier. The drafter keeps its own KV cache, synced per row to the committed sequence.
+
+draft_vocab = n > 0 drafts from the draft LM's n most frequent training tokens only (its stored
+`vocab_rank`; EAGLE-3's reduced draft vocabulary): each draft step projects onto n rows of the
+head instead of the whole vocabulary, which for the default target's 49 152 × 576 head is most of
+a 2-layer draft LM's step. Still lossless: tokens outside the subset have draft probability 0, and
+the verifier gets that exact (zero-padded) distribution."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from specbench.engine.core import forward_new_tokens
-from specbench.engine.model import Transformer, round_to_bucket
+from specbench.engine.model import Transformer, linear, pack_weight, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
-from specbench.engine.sampling import probs_from_logits, sample
+from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
+from specbench.errors import UserError
 
 
 class FixedK(Policy):
     name = "fixed-k"
 
-    def __init__(self, draft_model: Transformer, k: int = 4, drafter: str = "draft"):
+    def __init__(self, draft_model: Transformer, k: int = 4, drafter: str = "draft", draft_vocab: int = 0):
         if k < 1:
             raise ValueError("fixed-k needs k >= 1")
         self.draft_model, self.k, self.drafter = draft_model, k, drafter
         self.max_draft = k
         self.synced: Tensor | None = None  # [b] how many committed tokens the drafter's cache holds
+        vocab_size = draft_model.args.vocab_size
+        self.draft_vocab = int(draft_vocab) if 0 < int(draft_vocab) < vocab_size else 0
+        self.vocab_ids = self.head = self.head_packs = None
+        if self.draft_vocab:
+            rank = getattr(draft_model, "vocab_rank", None)
+            if rank is None:
+                raise UserError(f"fixed-k: drafter {drafter!r} stores no token ranking, which draft_vocab = "
+                                f"{draft_vocab} needs (draft LMs trained from session 16 on have one)")
+            device = draft_model.lm_head.weight.device
+            self.vocab_ids = rank[: self.draft_vocab].long().sort().values.to(device)
+            self.head = draft_model.lm_head.weight[self.vocab_ids].contiguous()
+            self.head_packs = pack_weight(self.head)
 
     def params(self) -> dict:
-        return {"k": self.k}
+        return {"k": self.k, "draft_vocab": self.draft_vocab}
+
+    def _next(self, tokens: Tensor, cache_lengths: Tensor, pick: Tensor | None = None) -> Tensor:
+        """The draft LM's logits after `tokens` [b, q] (at `pick` [b] of q, else the last): over the
+        whole vocabulary, or over `vocab_ids` without computing the rest of the head."""
+        b = tokens.shape[0]
+        rows = torch.arange(b, device=tokens.device)
+        pick = torch.full((b,), tokens.shape[1] - 1, device=tokens.device) if pick is None else pick
+        if self.head is None:
+            logits, _, _ = forward_new_tokens(self.draft_model, tokens, cache_lengths)
+            return logits[rows, pick]
+        _, _, hidden = forward_new_tokens(self.draft_model, tokens, cache_lengths, logits=False)
+        return linear(hidden[rows, pick], self.head, None, self.head_packs)
 
     def begin(self, state: BatchState, prompt_features) -> None:
         b, cap = state.tokens.shape
@@ -39,22 +70,27 @@ class FixedK(Policy):
         width = int(pending.max())
         idx = (self.synced[:, None] + torch.arange(width, device=device)[None]).clamp(max=state.tokens.shape[1] - 1)
         catch_up = state.tokens.gather(1, idx)
-        logits, _, _ = forward_new_tokens(self.draft_model, catch_up, self.synced)
-        next_logits = logits[torch.arange(b, device=device), pending - 1]
+        next_logits = self._next(catch_up, self.synced, pending - 1)
         self.synced = state.lengths.clone()
 
         tokens, probs = [], []
+        vocab_size = self.draft_model.args.vocab_size
         for step in range(self.k):
-            p = probs_from_logits(next_logits, state.temperature, state.top_p)
-            x = sample(p, state.generator)
+            if state.temperature > 0:
+                p = probs_from_logits(next_logits, state.temperature, state.top_p)
+                x = sample(p, state.generator)
+                if self.vocab_ids is not None:  # the exact distribution drawn from, over the whole vocabulary
+                    p = torch.zeros(b, vocab_size, dtype=p.dtype, device=device).index_copy_(1, self.vocab_ids, p)
+                probs.append(p)
+            else:  # both distributions one-hot: only the tokens matter
+                x = greedy_ids(next_logits)
+            if self.vocab_ids is not None:
+                x = self.vocab_ids[x]
             tokens.append(x)
-            probs.append(p)
             if step + 1 < self.k:
-                logits, _, _ = forward_new_tokens(self.draft_model, x[:, None], state.lengths - 1 + step + 1)
-                next_logits = logits[:, 0]
+                next_logits = self._next(x[:, None], state.lengths - 1 + step + 1)
         draft_tokens = torch.stack(tokens, dim=1)
-        # At temperature 0 both distributions are one-hot and only the tokens matter.
-        draft_probs = torch.stack(probs, dim=1) if state.temperature > 0 else None
+        draft_probs = torch.stack(probs, dim=1) if probs else None
         lengths = torch.full((b,), self.k, dtype=torch.long, device=device)
         return Draft(tokens=draft_tokens, probs=draft_probs, lengths=lengths)
 

@@ -108,12 +108,13 @@ def build_pld(target, k: int = 4, min_ngram: int = 1, max_ngram: int = 3) -> Pol
     return PromptLookup(k=k, min_ngram=min_ngram, max_ngram=max_ngram)
 
 
-def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8") -> Policy:
+def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8", draft_vocab: int = 0) -> Policy:
     from specbench.drafters.checkpoints import load_draft_lm
     from specbench.drafters.formats import load_drafter_any
     from specbench.policies.fixed_k import FixedK
 
-    return FixedK(load_drafter_any(drafter, target, ("draft-lm",), load_draft_lm), k=k, drafter=drafter)
+    return FixedK(load_drafter_any(drafter, target, ("draft-lm",), load_draft_lm), k=k, drafter=drafter,
+                  draft_vocab=draft_vocab)
 
 
 def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str = "tree", depth: int = 5,

@@ -266,6 +266,8 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
         raise UserError(f"--init {spec}: its architecture differs from this run's in {', '.join(differ)}")
     shared = {t.data_ptr() for t in (target.model.model.embed_tokens.weight, target.model.lm_head.weight)}
     own = model.state_dict()
+    if "vocab_rank" in state and "vocab_rank" not in own:
+        state.pop("vocab_rank")  # a draft LM's token ranking: data the run recomputes, not a weight
     unknown = sorted(set(state) - set(own))
     absent = sorted(n for n, t in own.items() if n not in state and not (t.numel() and t.data_ptr() in shared)
                     and not (adds_qk_norm and n.endswith(("q_norm.weight", "k_norm.weight"))))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specbench.engine.model import ModelArgs, Transformer, apply_rope, rope_cos_sin, rope_inv_freq
+from specbench.train.eagle import vocab_rank
 from specbench.train.common import (CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
                                     save_drafter, warm_start, warm_start_line)
 from specbench.train.data import TrainingData
@@ -211,6 +212,9 @@ def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, r
         "loss": {"ce_weight": ce_w, "kl_weight": kl_w, "positions": positions}, "final": final, "train_s": round(train_s, 1),
         "device": str(device), "torch": torch.__version__, "warm_start": warm,
     }
-    save_drafter(out_dir, KIND, draft.args.to_dict(), draft.state_dict(), target, summary)
+    # The response tokens' frequency ranking of the training split: the fixed-K policy's reduced
+    # draft vocabulary (`draft_vocab = n`) is its first n tokens.
+    state = {**draft.state_dict(), "vocab_rank": vocab_rank(data, train_idx, draft.args.vocab_size)}
+    save_drafter(out_dir, KIND, draft.args.to_dict(), state, target, summary)
     plot_loss_curve(history, out_dir / CURVE_FILE, title=f"{policy} draft LM for {target.name}")
     return result
