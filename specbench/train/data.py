@@ -574,12 +574,10 @@ def _function_requests(module_names: list[str], kind: str, seed: int, owner=None
             key = f"{kind}:{seed}:{name}.{fname}"
             text = random.Random(key).choice(_STDLIB_TEMPLATES).format(name=fname, sig=sig, doc=doc)
             out.append((hashlib.sha256(key.encode()).digest(), (f"{kind}:code", text)))
-    if kind == "stdlib":  # the order the code corpus' first shards were built in
-        pairs = [pair for _, pair in out]
-        random.Random(f"{kind}-order:{seed}").shuffle(pairs)
-        return pairs
-    # Each request's place is its own hash, so a function more or less (another version of a
-    # package) moves no other request: a corpus continued later takes the same ones.
+    # Each request's place is its own hash, so a function more or less moves no other request: the
+    # list depends on what a process has imported (2 257 standard-library requests in a fresh one,
+    # 2 258 once the target is loaded) and on package versions, and a positional shuffle of it (the
+    # code corpus' shards 0-14) reorders everything on such a change.
     return [pair for _, pair in sorted(out)]
 
 
