@@ -84,6 +84,7 @@ def hf_draft_model(drafter: str, target, hf_target):
                      "num_key_value_heads": a["n_kv_heads"], "intermediate_size": a["intermediate_size"],
                      "head_dim": a.get("head_dim") or a["dim"] // a["n_heads"], "rms_norm_eps": a.get("norm_eps", 1e-5)}
         state = dict(ckpt)
+        state.pop("vocab_rank", None)  # the token ranking fixed-k's draft_vocab uses: not a weight
         for k in ("model.embed_tokens.weight", "lm_head.weight"):
             if k in base_state:
                 state[k] = base_state[k]
