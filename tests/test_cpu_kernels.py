@@ -121,10 +121,9 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(dim, monkeypa
 
 
 def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(monkeypatch):
-    """b = 16 rows verifying 5 tokens each (80 rows: a chain verify at load) compute each row as 5 AR
-    steps of the same 16 rows do, on a machine whose GEMV takes that many rows in a decode or verify
-    forward (cpu_kernels.MAX_DECODE_ROWS_AMX / MAX_DECODE_ROWS_AVX512); elsewhere both run torch's routes
-    for 80 rows."""
+    """b = 16 rows verifying 5 tokens each (80 rows: a chain verify at load), and 48 rows of 40 tokens
+    (1 920 rows: EAGLE trees at load), compute each row as the AR steps of the same rows do: decode and
+    verify forwards take the kernels at any number of rows."""
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
     calls = []
     layers = cpu_kernels.decoder_layers
@@ -143,12 +142,19 @@ def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(mon
         together = forward_new_tokens(model, new, lengths)[0]
         prefilled()
         steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], lengths + i)[0] for i in range(q)], dim=1)
-    kernel_rows = cpu_kernels.max_rows(q)
-    if b * q <= kernel_rows:
-        assert torch.equal(together, steps)
-        assert (b, q, 256) in calls
-    else:  # 80 rows on oneDNN's GEMM, 16 on the GEMV: the same function, other roundings
-        assert (together.float() - steps.float()).abs().max() <= 0.05 * steps.float().abs().max()
+    assert torch.equal(together, steps)
+    assert (b, q, 256) in calls
+    b, q = 48, 40
+    prefix, new = torch.randint(0, 96, (b, 3)), torch.randint(0, 96, (b, q))
+    lengths = torch.full((b,), 3, dtype=torch.long)
+    with torch.inference_mode():
+        model.setup_cache(b, 48)
+        forward_new_tokens(model, prefix, torch.zeros(b, dtype=torch.long))
+        together = forward_new_tokens(model, new, lengths)[0]
+        model.setup_cache(b, 48)
+        forward_new_tokens(model, prefix, torch.zeros(b, dtype=torch.long))
+        steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], lengths + i)[0] for i in range(q)], dim=1)
+    assert torch.equal(together, steps) and (b, q, 256) in calls
 
 
 def _attention_reference(xq, k_cache, v_cache, mask):
@@ -187,9 +193,9 @@ def test_attention_kernel_is_as_accurate_as_sdpa_and_row_invariant(nh, nkv, q, h
     assert not cpu_kernels.attend(xq[:1, :, :1].contiguous(), k_cache, v_cache, nothing).any()
     assert not cpu_kernels.attend_applies(torch.zeros(1, nh, cpu_kernels.MAX_ATTEND_TOKENS + 1, hd, dtype=torch.bfloat16),
                                           k_cache, v_cache, mask[:1])
-    over = cpu_kernels.max_rows(q) // q + 1  # rows beyond the GEMV's: torch's routes for both
-    assert not cpu_kernels.attend_applies(xq[:1].expand(over, -1, -1, -1), k_cache[:1].expand(over, -1, -1, -1),
-                                          v_cache[:1].expand(over, -1, -1, -1), mask[:1].expand(over, -1, -1))
+    many = 600 // q + 1  # a decode or verify forward takes the kernel at any number of rows
+    assert cpu_kernels.attend_applies(xq[:1].expand(many, -1, -1, -1), k_cache[:1].expand(many, -1, -1, -1),
+                                      v_cache[:1].expand(many, -1, -1, -1), mask[:1].expand(many, -1, -1))
     assert not cpu_kernels.attend_applies(torch.zeros(1, nh, cpu_kernels.MAX_ATTEND_TOKENS + 1, hd, dtype=torch.bfloat16),
                                           k_cache, v_cache, mask)
 
@@ -341,7 +347,8 @@ def test_all_layers_in_one_call_give_the_bits_of_the_per_module_path(b, q, monke
 
 
 def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(monkeypatch):
-    """A prefill, too many rows for the GEMV, fp32, or one layer's stale pack: the per-module path runs."""
+    """A prefill, fp32, or one layer's stale pack: the per-module path runs; a decode step at any
+    number of rows takes the one call."""
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
     calls = []
     layers = cpu_kernels.decoder_layers
@@ -351,10 +358,11 @@ def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(m
         # a prefill: more tokens a row than a decode or verify forward has
         forward_new_tokens(model, torch.randint(0, 96, (1, cpu_kernels.MAX_ATTEND_TOKENS + 1)), torch.zeros(1, dtype=torch.long))
         assert not calls
-        over = cpu_kernels.max_rows(1) + 1  # more rows than the GEMV takes in a decode step, one token each
-        model.setup_cache(over, 16)
-        forward_new_tokens(model, torch.randint(0, 96, (over, 1)), torch.zeros(over, dtype=torch.long))
-        assert not calls
+        many = 300  # a decode step over many rows
+        model.setup_cache(many, 16)
+        forward_new_tokens(model, torch.randint(0, 96, (many, 1)), torch.zeros(many, dtype=torch.long))
+        assert len(calls) == 1
+        calls.clear()
         model.setup_cache(1, 128)
         forward_new_tokens(model, torch.randint(0, 96, (1, 1)), torch.zeros(1, dtype=torch.long))
         assert len(calls) == 1

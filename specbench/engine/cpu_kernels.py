@@ -28,27 +28,25 @@ from torch import Tensor
 # Up to this many rows the GEMV took no more time than oneDNN's pre-packed GEMM on the projections
 # of the default model on the AMX Xeon: 64 with AMX tiles (at 128 oneDNN won on the 49152-row head), 8
 # with AVX-512 BF16 only, whose 16 rows lost to oneDNN's AMX GEMM (docs/performance.md "A bf16 GEMV of
-# our own"). Decode and verify forwards take more: MAX_DECODE_ROWS_*.
+# our own"). Decode and verify forwards take any number: DECODE_ROWS.
 MAX_ROWS_AMX, MAX_ROWS_AVX512 = 64, 8
-# Forwards of at most MAX_ATTEND_TOKENS new tokens a row (decode and verify steps), with AMX, take the
-# GEMV (and the attention kernel) up to this many rows: there the whole forward was as fast or faster
-# than oneDNN's GEMM route (2-core Xeon, session 12, interleaved, context 256: b = 16 × q = 5 52 against
-# 61 ms, 16 × 8 71–74 against 74–76, 32 × 4 83 against 91, 32 × 8 130 against 130), and a verify forward
-# then computes each row as the AR steps it replaces do, which keeps bf16 greedy decoding token-identical
-# at b = 16 (docs/performance.md "Session 12"). Longer forwards (prefill) keep MAX_ROWS_AMX: a 200-token
-# prefill took 86 ms on the GEMV against 74 ms on oneDNN's GEMM.
-MAX_DECODE_ROWS_AMX = 256
-# Without AMX the same holds up to this many rows: oneDNN's bf16 GEMM has no tiles either there, and on
-# the 2-core AMD EPYC (Zen 4, AVX-512 BF16) the GEMV, in passes of 8 rows over a block held in cache, beat
-# it at every row count measured, over the real target's projections (16 rows 14.9 against 27.2 ms,
-# 32 rows 25.6 against 35.2, 64 rows 49 against 68, 128 rows 100 against 115; docs/performance.md
-# "Session 13"), and a whole b = 16 decode step went from 56.8 to 26.6 ms once the attention kernel and
-# the one-call layers came with it. Prefill keeps MAX_ROWS_AVX512.
-MAX_DECODE_ROWS_AVX512 = 128
-# Forwards of up to this many new tokens per row, and at most `max_rows()` rows in all (where the
-# GEMV's route changes too), attend with `attend` instead of SDPA: AR steps at any batch size up to
-# that, chain verification at small ones, and tree verification (EAGLE's 60 nodes + the anchor) at
-# b = 1 and 2. Beyond, both routes are torch's, for AR and verify alike. 64, not 8 (sessions 7–15):
+# Forwards of at most MAX_ATTEND_TOKENS new tokens a row (decode and verify steps) take the GEMV and the
+# attention kernel at any number of rows: a verify forward must compute each row as the AR steps it
+# replaces, which take the kernels, or bf16 greedy decoding stops being token-identical (EAGLE trees at
+# b = 1 were, on 23 of 72 requests, while their ~60-token verify ran on torch's routes). Until session 16
+# this held up to 256 rows with AMX and 128 without, where the kernels were measured as fast or faster
+# than oneDNN's GEMM route: 2-core Xeon (AMX), session 12, interleaved, context 256: b = 16 × q = 5 52
+# against 61 ms, 16 × 8 71–74 against 74–76, 32 × 4 83 against 91, 32 × 8 130 against 130; 2-core AMD
+# EPYC (Zen 4, AVX-512 BF16), the real target's projections, 16 rows 14.9 against 27.2 ms, 32 rows 25.6
+# against 35.2, 64 rows 49 against 68, 128 rows 100 against 115 (docs/performance.md "Session 12",
+# "Session 13"); on the EPYC one 1536 × 576 projection still took no longer on the GEMV at 256, 512 and
+# 1 024 rows (2.3 / 4.7 / 9.6 ms against 2.6 / 4.8 / 10.3, one thread, session 16). Beyond 256 rows
+# with AMX oneDNN's tiles may be faster; the bits come first. Longer forwards (prefill) keep
+# MAX_ROWS_AMX / MAX_ROWS_AVX512: a 200-token prefill took 86 ms on the GEMV against 74 ms on oneDNN's GEMM.
+DECODE_ROWS = sys.maxsize
+# Forwards of up to this many new tokens per row attend with `attend` instead of SDPA and project on
+# the GEMV, at any number of rows: AR steps, chain verification and tree verification (EAGLE's 60
+# nodes + the anchor). Longer ones (prefill) take torch's routes. 64, not 8 (sessions 7–15):
 # a tree verified on torch's routes rounds otherwise than the AR steps it replaces, and greedy EAGLE
 # trees in bf16 were token-identical to `ar` on 23 of 72 requests (docs/performance.md "Session 16").
 # Speed is second to that; median µs per layer, attend vs SDPA, 320 cached slots, 2-core Xeon (AMX),
@@ -118,14 +116,12 @@ def pack(weight: Tensor) -> Tensor | None:
 def max_rows(tokens: int | None = None) -> int:
     """The most rows the GEMV takes (0 where the kernels are unavailable), in a forward of `tokens` new
     tokens a row (None: any forward): for a decode or verify forward (at most MAX_ATTEND_TOKENS tokens
-    a row) MAX_DECODE_ROWS_AMX with AMX, MAX_DECODE_ROWS_AVX512 without; else MAX_ROWS_AMX /
-    MAX_ROWS_AVX512."""
+    a row) any number (DECODE_ROWS); else MAX_ROWS_AMX with AMX, MAX_ROWS_AVX512 without."""
     if not available():
         return 0
-    decode = tokens is not None and tokens <= MAX_ATTEND_TOKENS
-    if not torch.ops.specbench_cpu.amx_available():
-        return MAX_DECODE_ROWS_AVX512 if decode else MAX_ROWS_AVX512
-    return MAX_DECODE_ROWS_AMX if decode else MAX_ROWS_AMX
+    if tokens is not None and tokens <= MAX_ATTEND_TOKENS:
+        return DECODE_ROWS
+    return MAX_ROWS_AMX if torch.ops.specbench_cpu.amx_available() else MAX_ROWS_AVX512
 
 
 def tokens_per_row(x: Tensor) -> int | None:
