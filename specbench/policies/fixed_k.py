@@ -4,7 +4,7 @@ distribution (same temperature / top-p as the target), and hands those exact dis
 verifier. The drafter keeps its own KV cache, synced per row to the committed sequence.
 
 draft_vocab = n > 0 drafts from the draft LM's n most frequent training tokens only (its stored
-`vocab_rank`; EAGLE-3's reduced draft vocabulary): each draft step projects onto n rows of the
+`vocab_rank`; EAGLE-3's reduced draft vocabulary; a draft LM without one drafts from all): each draft step projects onto n rows of the
 head instead of the whole vocabulary, which for the default target's 49 152 × 576 head is most of
 a 2-layer draft LM's step. Still lossless: tokens outside the subset have draft probability 0, and
 the verifier gets that exact (zero-padded) distribution."""
@@ -17,7 +17,6 @@ from specbench.engine.core import forward_new_tokens
 from specbench.engine.model import Transformer, linear, pack_weight, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
-from specbench.errors import UserError
 
 
 class FixedK(Policy):
@@ -32,11 +31,12 @@ class FixedK(Policy):
         vocab_size = draft_model.args.vocab_size
         self.draft_vocab = int(draft_vocab) if 0 < int(draft_vocab) < vocab_size else 0
         self.vocab_ids = self.head = self.head_packs = None
+        rank = getattr(draft_model, "vocab_rank", None)
+        if rank is None:
+            # `truncate:N`, `self` and draft LMs trained before session 16 store no ranking: they draft
+            # from the whole vocabulary, and the records' policy_params say draft_vocab 0.
+            self.draft_vocab = 0
         if self.draft_vocab:
-            rank = getattr(draft_model, "vocab_rank", None)
-            if rank is None:
-                raise UserError(f"fixed-k: drafter {drafter!r} stores no token ranking, which draft_vocab = "
-                                f"{draft_vocab} needs (draft LMs trained from session 16 on have one)")
             device = draft_model.lm_head.weight.device
             self.vocab_ids = rank[: self.draft_vocab].long().sort().values.to(device)
             self.head = draft_model.lm_head.weight[self.vocab_ids].contiguous()
