@@ -204,10 +204,6 @@ def corpus_main(args: argparse.Namespace) -> int:
     from specbench.train.common import measured_cpu_dtype
     from specbench.train.corpus import build_corpus
 
-    if getattr(args, "qk_norm", False):
-        if args.policy not in ("dspark", "dflash"):
-            raise UserError(f"--qk-norm applies to dspark and dflash drafters, not {args.policy}")
-        budget["qk_norm"] = True
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")
