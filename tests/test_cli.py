@@ -85,6 +85,18 @@ def test_run_bad_numbers_and_flags(tmp_path, capsys, extra, needles):
     assert _files(tmp_path) == []
 
 
+@pytest.mark.parametrize("extra, needles", [
+    (["--policy", "eagle", "--qk-norm"], ["--qk-norm", "dspark and dflash", "eagle"]),
+    (["--policy", "dflash", "--markov-rank", "64"], ["--markov-rank", "dspark", "dflash"]),
+    (["--policy", "dspark", "--markov-rank", "0"], ["--markov-rank", "at least 1"]),
+])
+def test_train_flags_for_other_drafters(tmp_path, capsys, extra, needles):
+    """Architecture flags a drafter kind has no use for: one line, exit 2, nothing written."""
+    rc = main(["train", *extra, "--out", str(tmp_path / "d"), "--data", str(tmp_path / "data")])
+    _one_error_line(capsys, rc, *needles)
+    assert _files(tmp_path) == []
+
+
 def test_unknown_policy_lists_valid(tmp_path, capsys):
     line = _one_error_line(capsys, main(run_args(tmp_path, policy="nope")), "unknown policy 'nope'")
     for name in ("ar", "pld", "fixed-k", "hf", "hf-pld"):

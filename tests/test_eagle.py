@@ -310,9 +310,9 @@ def test_reduced_vocabulary_loss_from_cached_target_stats_and_training(target, d
     """draft_vocab = V_d: the loss from the cached per-token target normalisers equals the one from
     the target's whole-vocabulary softmax restricted to the draft vocabulary; training on it lowers
     the loss and the card says which policy setting the head is for."""
-    from specbench.train.common import TARGET_STATS_FILE, attach_target_stats
+    from specbench.train.common import TARGET_STATS_FILE, attach_target_stats, vocab_rank
     from specbench.train.data import TrainingData
-    from specbench.train.eagle import _batch, ttt_loss, vocab_rank
+    from specbench.train.eagle import _batch, ttt_loss
 
     n_vocab = target.model.args.vocab_size // 4
     head = random_head(target.model, TAPS, std=0.1).float()

@@ -226,7 +226,7 @@ def test_reduced_draft_vocabulary_trains_saves_and_loads(target, data, tmp_path)
     """budget draft_vocab = V_d: the subset is the training split's most frequent response tokens,
     stored with the weights (int64, not cast to bf16), restored on load; the loss is finite and
     falls; the loaded drafter drafts from the subset only."""
-    from specbench.train.eagle import vocab_rank
+    from specbench.train.common import vocab_rank
 
     V = target.model.args.vocab_size
     Vd = V // 4
@@ -352,3 +352,34 @@ def test_warm_start_continues_a_trained_drafter(target, data, trained, tmp_path)
     assert abs(normed.history[0]["loss"] - first.history[-1]["loss"]) < 0.5 * first.history[-1]["loss"]
     with pytest.raises(UserError, match="qk_norm|model_args"):
         train(target, data, tmp_path / "z", budget=b, seed=0, policy="dspark", progress=False, init=str(tmp_path / "q"))
+
+
+def test_warm_start_grows_the_markov_rank(target, trained):
+    """--init with a larger --markov-rank: the stored head fills the leading rank directions, the
+    new directions' W2 columns and confidence inputs are 0, so the grown drafter's bias-corrected
+    logits and confidence equal the stored drafter's; W1's new columns keep a fresh initialisation
+    (else no gradient could reach the new directions). A smaller rank is refused."""
+    from specbench.train.common import warm_start
+
+    src, _ = trained["dspark"]
+    config = json.loads((src / "drafter.json").read_text())["model_args"]
+    stored = DSparkArgs.from_dict(config)
+    original = build_drafter(stored, target.model, dtype=torch.float32)
+    warm_start(original, str(src), target, "dspark", stored.to_dict())
+    grown_args = DSparkArgs.from_dict({**config, "markov_rank": 2 * stored.markov_rank})
+    grown = build_drafter(grown_args, target.model, dtype=torch.float32)
+    grown.init_weights(torch.Generator().manual_seed(3))
+    info = warm_start(grown, str(src), target, "dspark", grown_args.to_dict())
+    assert info["added"] == f"Markov rank {stored.markov_rank} → {grown_args.markov_rank} (new W2 columns 0)"
+    r = stored.markov_rank
+    assert grown.markov_w1.weight[:, r:].abs().sum() > 0 and grown.markov_w2.weight[:, r:].abs().sum() == 0
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, stored.model_args.dim, generator=g)
+    prev = torch.randint(0, stored.model_args.vocab_size, (5,), generator=g)
+    with torch.no_grad():
+        assert torch.allclose(grown.block_logits(h, prev), original.block_logits(h, prev), atol=1e-6)
+        assert torch.allclose(grown.confidence_logits(h, prev), original.confidence_logits(h, prev), atol=1e-6)
+    smaller = DSparkArgs.from_dict({**config, "markov_rank": r // 2})
+    with pytest.raises(UserError, match="markov_rank"):
+        warm_start(build_drafter(smaller, target.model, dtype=torch.float32), str(src), target, "dspark",
+                   smaller.to_dict())

@@ -76,15 +76,14 @@ def hf_draft_model(drafter: str, target, hf_target):
                  if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < n}
         overrides = {"num_hidden_layers": n}
     else:
-        from specbench.drafters.checkpoints import read_checkpoint
+        from specbench.drafters.checkpoints import read_draft_lm
 
-        config, ckpt = read_checkpoint(drafter, target, kind="draft-lm")
+        config, ckpt, _ = read_draft_lm(drafter, target)  # the token ranking is not a weight
         a = config["model_args"]
         overrides = {"num_hidden_layers": a["n_layers"], "hidden_size": a["dim"], "num_attention_heads": a["n_heads"],
                      "num_key_value_heads": a["n_kv_heads"], "intermediate_size": a["intermediate_size"],
                      "head_dim": a.get("head_dim") or a["dim"] // a["n_heads"], "rms_norm_eps": a.get("norm_eps", 1e-5)}
         state = dict(ckpt)
-        state.pop("vocab_rank", None)  # the token ranking fixed-k's draft_vocab uses: not a weight
         for k in ("model.embed_tokens.weight", "lm_head.weight"):
             if k in base_state:
                 state[k] = base_state[k]

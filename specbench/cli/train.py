@@ -68,6 +68,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="dspark / dflash: q/k norms in the draft layers whatever the target's, i.e. Qwen3 layers, "
                         "the layout DeepSpec and vLLM load (specbench export --format deepspec); with --init a "
                         "drafter without them, they are added with weights 1")
+    p.add_argument("--markov-rank", type=int,
+                   help="dspark: rank r of the Markov head (W1: V × r, W2: r × V_d; default: the budget's); "
+                        "with --init a drafter of smaller rank, its head grows with the new directions' "
+                        "W2 columns at 0 (the drafter's outputs unchanged at the start)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
     return p
@@ -97,6 +101,12 @@ def main(args: argparse.Namespace) -> int:
         if args.policy not in ("dspark", "dflash"):
             raise UserError(f"--qk-norm applies to dspark and dflash drafters, not {args.policy}")
         budget["qk_norm"] = True
+    if getattr(args, "markov_rank", None) is not None:
+        if args.policy != "dspark":
+            raise UserError(f"--markov-rank applies to dspark drafters, not {args.policy}")
+        if args.markov_rank < 1:
+            raise UserError(f"--markov-rank must be at least 1, not {args.markov_rank}")
+        budget["markov_rank"] = args.markov_rank
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")

@@ -61,6 +61,14 @@ def read_checkpoint(spec: str, target, kind: str) -> tuple[dict, dict[str, torch
     return config, state
 
 
+def read_draft_lm(spec: str, target) -> tuple[dict, dict[str, torch.Tensor], torch.Tensor | None]:
+    """A fixed-K draft LM's config, weights and token ranking apart: `vocab_rank`, the token ids by
+    training frequency that fixed-K's `draft_vocab` takes a prefix of, is stored beside the weights
+    by the trainer (train/draft_lm.py); None for a draft LM saved without one."""
+    config, state = read_checkpoint(spec, target, kind="draft-lm")
+    return config, state, state.pop("vocab_rank", None)
+
+
 def load_drafter(spec: str, target, kind: str, parse_args, build, check_args=None) -> torch.nn.Module:
     """A drafter module of `kind` from its checkpoint, for `target` (a loading.LoadedModel): the
     architecture from its config (`parse_args`, then `check_args` to refuse a mismatch), the
@@ -103,9 +111,8 @@ def load_draft_lm(spec: str, target) -> Transformer:
         state = {k: v for k, v in base.state_dict().items()
                  if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers}
     else:
-        config, state = read_checkpoint(spec, target, kind="draft-lm")
+        config, state, rank = read_draft_lm(spec, target)
         args = ModelArgs(**config["model_args"])
-        rank = state.pop("vocab_rank", None)  # token ids by training frequency (draft LMs from session 16 on)
         state = {k: v.to(dtype) for k, v in state.items()}
         state["model.embed_tokens.weight"] = base.model.embed_tokens.weight
         state["lm_head.weight"] = base.lm_head.weight

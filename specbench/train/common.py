@@ -188,6 +188,18 @@ def training_autocast(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if measured_cpu_dtype()[0] == torch.bfloat16 else None
 
 
+def vocab_rank(data, indices, vocab_size: int) -> torch.Tensor:
+    """Token ids by frequency among the response tokens of `indices` (most frequent first, ties by
+    id). A reduced draft vocabulary is a prefix of it: the EAGLE head's (`EagleHead.set_draft_vocab`),
+    DSpark's / DFlash's, and the one fixed-K drafts from (stored with the draft LM)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in indices:
+        s = data.sequence(i, ("input_ids", "loss_mask"))
+        counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order.to(torch.int32)
+
+
 TARGET_STATS_FILE = "target_stats.safetensors"
 
 
@@ -255,12 +267,19 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
 
     config, state = read_checkpoint(spec, target, kind=kind)
     theirs, ours = config.get("model_args") or {}, json.loads(json.dumps(model_args))
-    # One change is allowed: q/k norms added to layers that had none (their weights start at 1),
-    # e.g. to carry a Llama-layered drafter over to the Qwen3 layout that DeepSpec and vLLM load.
+    # Two changes are allowed, each leaving the drafter's outputs as they were:
+    # - q/k norms added to layers that had none (their weights start at 1), e.g. to carry a
+    #   Llama-layered drafter over to the Qwen3 layout that DeepSpec and vLLM load;
+    # - a larger Markov rank (DSpark): the new rank dimensions' W2 columns and confidence-head
+    #   inputs start at 0, so the bias W1[x]·W2 and the confidence are unchanged (`_grow_markov_rank`).
     adds_qk_norm = _layer_args(ours).get("qk_norm") is True and not _layer_args(theirs).get("qk_norm")
     if adds_qk_norm:
         theirs = json.loads(json.dumps(theirs))
         _layer_args(theirs)["qk_norm"] = True
+    old_rank, new_rank = int(theirs.get("markov_rank") or 0), int(ours.get("markov_rank") or 0)
+    grows_rank = 0 < old_rank < new_rank
+    if grows_rank:
+        theirs = {**theirs, "markov_rank": new_rank}
     if theirs != ours:
         differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
         raise UserError(f"--init {spec}: its architecture differs from this run's in {', '.join(differ)}")
@@ -275,14 +294,31 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
         raise UserError(f"--init {spec}: its weights do not match this model ({(unknown + absent)[:3]})")
     with torch.no_grad():
         for name, t in state.items():
-            own[name].copy_(t.to(own[name].dtype))
+            if grows_rank and own[name].shape != t.shape:
+                _grow_markov_rank(name, own[name], t)
+            else:
+                own[name].copy_(t.to(own[name].dtype))
     training = config.get("training") or {}
     info = {"from": str(resolve_checkpoint(spec)), "steps": training.get("steps"),
             "n_loss_tokens": (training.get("data") or {}).get("n_loss_tokens"),
             "warm_start": training.get("warm_start")}
-    if adds_qk_norm:
-        info["added"] = "q/k norms (weights 1)"
+    added = (["q/k norms (weights 1)"] if adds_qk_norm else []) + (
+        [f"Markov rank {old_rank} → {new_rank} (new W2 columns 0)"] if grows_rank else [])
+    if added:
+        info["added"] = ", ".join(added)
     return info
+
+
+def _grow_markov_rank(name: str, own: torch.Tensor, old: torch.Tensor) -> None:
+    """Copy a smaller Markov rank's tensor into the leading slice of its last dimension: W1 (V × r)
+    keeps its fresh initialisation in the new columns, W2 (V_d × r) and the confidence head's
+    weight (1 × (d + r): the backbone state, then W1[x]) get zeros there, so nothing the drafter
+    computes changes until training moves them (W2's new columns get gradient from W1's at once)."""
+    if own.dim() != old.dim() or own.shape[:-1] != old.shape[:-1] or own.shape[-1] < old.shape[-1]:
+        raise UserError(f"--init: {name} has shape {tuple(old.shape)}, this model's {tuple(own.shape)}")
+    if not name.startswith("markov_w1."):
+        own.zero_()
+    own[..., : old.shape[-1]] = old.to(own.dtype)
 
 
 def _layer_args(model_args: dict) -> dict:

@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specbench.engine.model import ModelArgs, Transformer, apply_rope, rope_cos_sin, rope_inv_freq
-from specbench.train.eagle import vocab_rank
 from specbench.train.common import (CURVE_FILE, LoopConfig, TrainResult, plot_loss_curve, run_training,
-                                    save_drafter, warm_start, warm_start_line)
+                                    save_drafter, vocab_rank, warm_start, warm_start_line)
 from specbench.train.data import TrainingData
 
 KIND = "draft-lm"

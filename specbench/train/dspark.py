@@ -41,8 +41,8 @@ from torch import Tensor
 
 from specbench.drafters.dspark import KINDS, DSparkArgs, DSparkDrafter, build_drafter, load_dspark_drafter
 from specbench.train.common import (CURVE_FILE, LoopConfig, TrainResult, attach_target_stats, plot_loss_curve,
-                                    run_training, save_drafter, training_autocast, warm_start, warm_start_line)
-from specbench.train.eagle import vocab_rank
+                                    run_training, save_drafter, training_autocast, vocab_rank, warm_start,
+                                    warm_start_line)
 
 __all__ = ["train", "load_dspark_drafter", "sample_anchors", "make_blocks", "block_loss"]
 

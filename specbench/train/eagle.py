@@ -47,10 +47,10 @@ from torch import Tensor
 
 from specbench.drafters.eagle import KIND, EagleArgs, EagleHead, build_head, load_eagle_head
 from specbench.train.common import (BUDGETS, CURVE_FILE, LoopConfig, TrainResult, attach_target_stats,
-                                    plot_loss_curve, run_training, save_drafter, training_autocast, warm_start,
-                                    warm_start_line)
+                                    plot_loss_curve, run_training, save_drafter, training_autocast, vocab_rank,
+                                    warm_start, warm_start_line)
 
-__all__ = ["train", "load_eagle_head", "ttt_loss", "evaluate", "options", "vocab_rank"]
+__all__ = ["train", "load_eagle_head", "ttt_loss", "evaluate", "options"]
 
 STEP_DECAY = 0.8  # weight of TTT step i: 0.8^i
 EAGLE_DEFAULTS = {
@@ -169,17 +169,6 @@ def ttt_loss(head: EagleHead, batch: dict[str, Tensor], steps: int, positions: i
                 metrics[f"acc{i}_t0"] = (drafted == t_argmax).float().mean()
                 metrics[f"_n{i}"] = float(s.sum())
     return loss, metrics
-
-
-def vocab_rank(data, indices, vocab_size: int) -> Tensor:
-    """Token ids by frequency among the response tokens of `indices` (most frequent first, ties by
-    id): the head's reduced draft vocabulary is a prefix of it (`EagleHead.set_draft_vocab`)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in indices:
-        s = data.sequence(i, ("input_ids", "loss_mask"))
-        counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
-    order = torch.sort(counts, descending=True, stable=True).indices
-    return order.to(torch.int32)
 
 
 def _batch(data, indices, device) -> dict[str, Tensor]:
