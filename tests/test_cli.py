@@ -89,6 +89,8 @@ def test_run_bad_numbers_and_flags(tmp_path, capsys, extra, needles):
     (["--policy", "eagle", "--qk-norm"], ["--qk-norm", "dspark and dflash", "eagle"]),
     (["--policy", "dflash", "--markov-rank", "64"], ["--markov-rank", "dspark", "dflash"]),
     (["--policy", "dspark", "--markov-rank", "0"], ["--markov-rank", "at least 1"]),
+    (["--policy", "fixed-k", "--draft-layers", "4"], ["--draft-layers", "dspark and dflash", "fixed-k"]),
+    (["--policy", "dflash", "--draft-layers", "0"], ["--draft-layers", "at least 1"]),
 ])
 def test_train_flags_for_other_drafters(tmp_path, capsys, extra, needles):
     """Architecture flags a drafter kind has no use for: one line, exit 2, nothing written."""

@@ -383,3 +383,41 @@ def test_warm_start_grows_the_markov_rank(target, trained):
     with pytest.raises(UserError, match="markov_rank"):
         warm_start(build_drafter(smaller, target.model, dtype=torch.float32), str(src), target, "dspark",
                    smaller.to_dict())
+
+
+@pytest.mark.parametrize("variant", ["dspark", "dflash"])
+def test_warm_start_appends_draft_layers(target, trained, variant):
+    """--init with more --draft-layers: the stored layers come first, each new layer's o_proj and
+    down_proj are 0 (the identity on the residual stream), so the grown drafter's block hidden
+    states equal the stored drafter's; the new layers' other weights keep a fresh initialisation.
+    Fewer layers are refused."""
+    from specbench.train.common import warm_start
+
+    src, _ = trained[variant]
+    config = json.loads((src / "drafter.json").read_text())["model_args"]
+    stored = DSparkArgs.from_dict(config)
+    n = stored.model_args.n_layers
+    original = build_drafter(stored, target.model, dtype=torch.float32)
+    warm_start(original, str(src), target, variant, stored.to_dict())
+    grown_args = DSparkArgs.from_dict({**config, "model_args": {**config["model_args"], "n_layers": n + 2}})
+    grown = build_drafter(grown_args, target.model, dtype=torch.float32)
+    grown.init_weights(torch.Generator().manual_seed(3))
+    info = warm_start(grown, str(src), target, variant, grown_args.to_dict())
+    assert info["added"] == f"draft layers {n} → {n + 2} (new output projections 0)"
+    assert len(grown.layers) == n + 2
+    for layer in grown.layers[n:]:
+        assert layer.self_attn.o_proj.weight.abs().sum() == 0 and layer.mlp.down_proj.weight.abs().sum() == 0
+        assert layer.self_attn.q_proj.weight.abs().sum() > 0 and layer.mlp.up_proj.weight.abs().sum() > 0
+    g = torch.Generator().manual_seed(0)
+    T = 12
+    features = torch.randn(2, T, len(stored.tap_layers) * stored.model_args.dim, generator=g)
+    input_ids = torch.randint(0, stored.model_args.vocab_size, (2, T), generator=g)
+    anchors = torch.tensor([[3, 7], [1, 5]])
+    with torch.no_grad():
+        assert torch.allclose(grown.forward_blocks(features, input_ids, anchors),
+                              original.forward_blocks(features, input_ids, anchors), atol=1e-5)
+    if n > 1:
+        fewer_args = DSparkArgs.from_dict({**config, "model_args": {**config["model_args"], "n_layers": n - 1}})
+        with pytest.raises(UserError, match="model_args"):
+            warm_start(build_drafter(fewer_args, target.model, dtype=torch.float32), str(src), target, variant,
+                       fewer_args.to_dict())

@@ -72,6 +72,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="dspark: rank r of the Markov head (W1: V × r, W2: r × V_d; default: the budget's); "
                         "with --init a drafter of smaller rank, its head grows with the new directions' "
                         "W2 columns at 0 (the drafter's outputs unchanged at the start)")
+    p.add_argument("--draft-layers", type=int,
+                   help="dspark / dflash: number of draft layers (default: the budget's); with --init a drafter "
+                        "of fewer layers, the new ones are appended with their output projections at 0 (the "
+                        "drafter's outputs unchanged at the start)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
     return p
@@ -107,6 +111,12 @@ def main(args: argparse.Namespace) -> int:
         if args.markov_rank < 1:
             raise UserError(f"--markov-rank must be at least 1, not {args.markov_rank}")
         budget["markov_rank"] = args.markov_rank
+    if getattr(args, "draft_layers", None) is not None:
+        if args.policy not in ("dspark", "dflash"):
+            raise UserError(f"--draft-layers applies to dspark and dflash drafters, not {args.policy}")
+        if args.draft_layers < 1:
+            raise UserError(f"--draft-layers must be at least 1, not {args.draft_layers}")
+        budget["draft_layers"] = args.draft_layers
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"device {device} requested but CUDA is not available")

@@ -10,6 +10,7 @@ loads with `load_state_dict` as it is.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -150,12 +151,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packs: Packs |
     return F.linear(x, weight, bias)
 
 
+@functools.cache
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN has a bf16 GEMM on this CPU: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT,
+    and refuses to pack a bf16 weight elsewhere (seen on an AVX2-only AMD EPYC); bf16 then runs on
+    torch's own, slower route, which `--dtype auto` measures like any other."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_weight(weight: Tensor | None) -> Packs | None:
     """`Packs` of a bf16 CPU weight, or None where no faster layout applies (not bf16, not a CPU)."""
     if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     gemm = None
-    if torch.backends.mkldnn.is_available():
+    if _onednn_packs_bf16():
         with torch.no_grad(), torch.inference_mode(False):
             # 8: the row count oneDNN tunes the layout for; the results are the same for any count.
             gemm = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)

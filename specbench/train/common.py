@@ -271,7 +271,10 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
     # - q/k norms added to layers that had none (their weights start at 1), e.g. to carry a
     #   Llama-layered drafter over to the Qwen3 layout that DeepSpec and vLLM load;
     # - a larger Markov rank (DSpark): the new rank dimensions' W2 columns and confidence-head
-    #   inputs start at 0, so the bias W1[x]·W2 and the confidence are unchanged (`_grow_markov_rank`).
+    #   inputs start at 0, so the bias W1[x]·W2 and the confidence are unchanged (`_grow_markov_rank`);
+    # - more draft layers (DSpark, DFlash), appended after the trained ones with their attention
+    #   output and MLP down projections at 0: each new layer starts as the identity on the residual
+    #   stream, so the block's hidden states are unchanged (`_new_layer_tensors`).
     adds_qk_norm = _layer_args(ours).get("qk_norm") is True and not _layer_args(theirs).get("qk_norm")
     if adds_qk_norm:
         theirs = json.loads(json.dumps(theirs))
@@ -280,6 +283,11 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
     grows_rank = 0 < old_rank < new_rank
     if grows_rank:
         theirs = {**theirs, "markov_rank": new_rank}
+    old_layers, new_layers = int(_layer_args(theirs).get("n_layers") or 0), int(_layer_args(ours).get("n_layers") or 0)
+    grows_layers = kind in ("dspark", "dflash") and 0 < old_layers < new_layers
+    if grows_layers:
+        theirs = json.loads(json.dumps(theirs))
+        _layer_args(theirs)["n_layers"] = new_layers
     if theirs != ours:
         differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
         raise UserError(f"--init {spec}: its architecture differs from this run's in {', '.join(differ)}")
@@ -288,8 +296,10 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
     if "vocab_rank" in state and "vocab_rank" not in own:
         state.pop("vocab_rank")  # a draft LM's token ranking: data the run recomputes, not a weight
     unknown = sorted(set(state) - set(own))
+    added_layers = _new_layer_tensors(own, old_layers) if grows_layers else {}
     absent = sorted(n for n, t in own.items() if n not in state and not (t.numel() and t.data_ptr() in shared)
-                    and not (adds_qk_norm and n.endswith(("q_norm.weight", "k_norm.weight"))))
+                    and not (adds_qk_norm and n.endswith(("q_norm.weight", "k_norm.weight")))
+                    and n not in added_layers)
     if unknown or absent:
         raise UserError(f"--init {spec}: its weights do not match this model ({(unknown + absent)[:3]})")
     with torch.no_grad():
@@ -298,12 +308,16 @@ def warm_start(model: nn.Module, spec: str, target, kind: str, model_args: dict)
                 _grow_markov_rank(name, own[name], t)
             else:
                 own[name].copy_(t.to(own[name].dtype))
+        for name, zero in added_layers.items():
+            if zero:
+                own[name].zero_()
     training = config.get("training") or {}
     info = {"from": str(resolve_checkpoint(spec)), "steps": training.get("steps"),
             "n_loss_tokens": (training.get("data") or {}).get("n_loss_tokens"),
             "warm_start": training.get("warm_start")}
     added = (["q/k norms (weights 1)"] if adds_qk_norm else []) + (
-        [f"Markov rank {old_rank} → {new_rank} (new W2 columns 0)"] if grows_rank else [])
+        [f"Markov rank {old_rank} → {new_rank} (new W2 columns 0)"] if grows_rank else []) + (
+        [f"draft layers {old_layers} → {new_layers} (new output projections 0)"] if grows_layers else [])
     if added:
         info["added"] = ", ".join(added)
     return info
@@ -319,6 +333,19 @@ def _grow_markov_rank(name: str, own: torch.Tensor, old: torch.Tensor) -> None:
     if not name.startswith("markov_w1."):
         own.zero_()
     own[..., : old.shape[-1]] = old.to(own.dtype)
+
+
+def _new_layer_tensors(own: dict, old_layers: int) -> dict[str, bool]:
+    """The state names of draft layers `old_layers` and up (`layers.<i>.…`), each mapped to whether
+    it starts at 0: the attention's o_proj and the MLP's down_proj, the two projections that write
+    into the residual stream. Their other weights keep the fresh initialisation, so gradient reaches
+    them as soon as the zeroed projections move."""
+    new = {}
+    for name in own:
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) >= old_layers:
+            new[name] = name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+    return new
 
 
 def _layer_args(model_args: dict) -> dict:
