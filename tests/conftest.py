@@ -7,12 +7,15 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests import the tiny-model he
 
 import pytest  # noqa: E402
 
-from specbench.engine import cpu_kernels  # noqa: E402
+from specbench.engine import cpu_f32, cpu_kernels  # noqa: E402
 
 # The bf16 CPU kernels' own tests need a CPU with AVX-512 BF16: hardware, not set-up, so on other
 # CPUs they are not collected rather than skipped (a skip fails `.ci/run`, below). There torch's
 # routes run, which every other test covers, and test_engine_units.py checks that they do.
 collect_ignore = [] if cpu_kernels.cpu_has_avx512_bf16() else ["test_cpu_kernels.py"]
+# Likewise the fp32 GEMV's (engine/cpu_f32.py), on a CPU without AVX2 + FMA.
+if not cpu_f32.cpu_has_avx2_fma():
+    collect_ignore.append("test_cpu_f32.py")
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,22 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_isa() -> str:
+    """The CPU features that decide the core's routes on a CPU: torch's vector capability (e.g.
+    AVX2, AVX512) and the bf16 units present (avx512_bf16: the suite's bf16 kernels; amx_bf16:
+    their tile route). Two CPUs of one model name can differ here (AMD EPYC: Zen 4 with AVX-512
+    BF16, Zen 3 with AVX2 only), and their numbers with them."""
+    import torch
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    units = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return " ".join([torch.backends.cpu.get_cpu_capability(), *units])
+
+
 def device_name(device) -> str:
     import torch
 
@@ -63,7 +79,8 @@ def git_state(repo: str = str(resources.SOURCE_ROOT)) -> tuple[str | None, bool 
 
 
 def environment(device="cpu") -> dict:
-    """python, torch, transformers versions; device name; cpu count; torch threads; git commit and
+    """python, torch, transformers versions; device name; the CPU's vector capability and bf16 units
+    (`cpu_isa`); cpu count; torch threads; git commit and
     dirty flag (None outside a git checkout); hostname; UTC time (ISO 8601)."""
     import torch
 
@@ -75,6 +92,7 @@ def environment(device="cpu") -> dict:
         "specbench": _version("specbench"),
         "device": str(device),
         "device_name": device_name(device),
+        "cpu_isa": cpu_isa(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "git_commit": commit,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specbench.engine import cpu_kernels
+from specbench.engine import cpu_f32, cpu_kernels
 
 # Attention over a static cache reads it up to a whole number of buckets rather than to the exact
 # committed length, so a run's forwards see a few repeated shapes (cheap for the allocator, and
@@ -119,7 +119,9 @@ class Packs(NamedTuple):
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packs: Packs | None = None) -> Tensor:
-    """F.linear, with faster routes for bf16 on a CPU:
+    """F.linear, with a faster route for fp32 decode / verify forwards on a CPU with AVX2 + FMA (the
+    suite's GEMV, engine/cpu_f32.py: each weight row read once, each row of x the same bits alone or
+    in a batch), and faster routes for bf16 on a CPU:
 
     * up to cpu_kernels.max_rows() rows with `packs.gemv` (a CPU with AVX-512 BF16, the kernel built): the
       suite's own GEMV (engine/cpu_kernels.py). It streams the weights at close to the machine's read rate
@@ -136,6 +138,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packs: Packs |
       layout, instead of reordering it on every call. Bit-identical to F.linear (checked for 2 to
       300 rows on every projection shape of the default model) and 8-20% less time for a whole
       verify or batched-decode forward (docs/performance.md "Decode core, session 5")."""
+    if x.dtype == torch.float32 and cpu_f32.applies(x, weight):  # fp32 decode / verify on an AVX2 CPU
+        y = cpu_f32.gemv(x, weight)
+        return y if bias is None else y + bias
     if packs is not None and torch.is_grad_enabled() and x.requires_grad:
         packs = None  # neither packed route has a backward: a gradient must reach x (F.linear's route)
     if packs is not None and cpu_kernels.gemv_applies(x, packs.gemv):
