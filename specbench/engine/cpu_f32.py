@@ -16,8 +16,6 @@ at most MAX_FLAT_ROWS rows of a flat [rows, k] input. `SPECBENCH_CPU_KERNELS=0` 
 from __future__ import annotations
 
 import functools
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -43,23 +41,7 @@ def cpu_has_avx2_fma() -> bool:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """True once the kernel is built and loaded; False (with one line on stderr) where it can't be."""
-    if not cpu_has_avx2_fma():
-        return False
-    from torch.utils import cpp_extension
-
-    t0 = time.time()
-    try:
-        cpp_extension.load(name="specbench_cpu_f32", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler or ninja: F.linear remains
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        first = next((line for line in lines if "error:" in line), lines[0][:200] if lines else type(e).__name__)
-        print(f"specbench: fp32 CPU GEMV not built ({first}); using torch's routes", file=sys.stderr, flush=True)
-        return False
-    if time.time() - t0 > 5:
-        print(f"specbench: built the fp32 CPU GEMV in {time.time() - t0:.0f} s (once per machine and torch)",
-              file=sys.stderr, flush=True)
-    return True
+    return cpu_has_avx2_fma() and cpu_kernels.build("specbench_cpu_f32", SOURCE, FLAGS, "the fp32 CPU GEMV")
 
 
 def applies(x: Tensor, weight: Tensor) -> bool:

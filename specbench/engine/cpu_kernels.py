@@ -70,21 +70,26 @@ def cpu_has_avx512_bf16() -> bool:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """True once the kernels are built and loaded; False (with one line on stderr) where they can't be."""
-    if not cpu_has_avx512_bf16():
-        return False
+    return cpu_has_avx512_bf16() and build("specbench_cpu_kernels", SOURCE, FLAGS, "the bf16 CPU kernels")
+
+
+def build(name: str, source: Path, flags: list[str], what: str) -> bool:
+    """Build and load a C++ op library once per machine and torch (torch keeps the build and
+    rebuilds when the source changes). False, with one line on stderr, where it can't be built: no
+    compiler, no ninja, an assembler without the instructions; torch's routes then remain."""
     from torch.utils import cpp_extension
 
     t0 = time.time()
     try:
-        cpp_extension.load(name="specbench_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no ninja, an assembler without AVX-512 BF16: torch's routes remain
+        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         first = next((line for line in lines if "error:" in line), lines[0][:200] if lines else type(e).__name__)
-        print(f"specbench: bf16 CPU kernels not built ({first}); using torch's routes", file=sys.stderr, flush=True)
+        print(f"specbench: {what} not built ({first}); using torch's routes", file=sys.stderr, flush=True)
         return False
     if time.time() - t0 > 5:
-        print(f"specbench: built the bf16 CPU kernels in {time.time() - t0:.0f} s (once per machine and torch)",
+        print(f"specbench: built {what} in {time.time() - t0:.0f} s (once per machine and torch)",
               file=sys.stderr, flush=True)
     return True
 
