@@ -22,10 +22,13 @@ def test_products_match_float64_and_rows_are_independent():
         assert (y.double() - exact).abs().max() <= 1e-5 * k ** 0.5 * (1 + exact.abs().max())
         alone = torch.cat([cpu_f32.gemv(x[i:i + 1], w) for i in range(len(x))])
         assert torch.equal(alone, y)  # bits: a row's result does not depend on the rows beside it
-        for threads in (1, 2):
+        threads = torch.get_num_threads()
+        try:
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                assert torch.equal(cpu_f32.gemv(x[3:7], w), y[3:7])  # nor on the split over threads
+        finally:
             torch.set_num_threads(threads)
-            assert torch.equal(cpu_f32.gemv(x[3:7], w), y[3:7])  # nor on the split over threads
-        torch.set_num_threads(2)
 
 
 def test_applies_to_decode_and_verify_forwards_only():

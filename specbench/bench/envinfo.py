@@ -43,12 +43,9 @@ def cpu_isa() -> str:
     BF16, Zen 3 with AVX2 only), and their numbers with them."""
     import torch
 
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    units = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    from specbench.engine.cpu_kernels import cpu_flags
+
+    units = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()]
     return " ".join([torch.backends.cpu.get_cpu_capability(), *units])
 
 

@@ -31,11 +31,7 @@ MAX_FLAT_ROWS = 8
 
 
 def cpu_has_avx2_fma() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+    return {"avx2", "fma"} <= cpu_kernels.cpu_flags()
 
 
 @functools.lru_cache(maxsize=None)

@@ -59,12 +59,18 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"]
 
 
-def cpu_has_avx512_bf16() -> bool:
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; empty elsewhere): which kernels can run here."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            return frozenset(next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), []))
     except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx512_bf16", "avx512bw", "avx512vl"))
+        return frozenset()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags()
 
 
 @functools.lru_cache(maxsize=None)
