@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from specbench.errors import UserError
 from specbench.engine import cpu_kernels
-from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, Snapshot, apply_rope, fresh_pack,
+from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, Snapshot, apply_rope, fresh_pack, seeded_normal,
                                     linear, pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
@@ -272,12 +272,12 @@ class DSparkDrafter(nn.Module):
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, (nn.Linear, nn.Embedding)):
-                    module.weight.normal_(0.0, 0.02, generator=generator)
+                    module.weight.copy_(seeded_normal(module.weight, 0.02, generator))
                     if getattr(module, "bias", None) is not None:
                         module.bias.zero_()
                 elif isinstance(module, RMSNorm):
                     module.weight.fill_(1.0)
-            self.mask_embedding.normal_(0.0, 0.02, generator=generator)
+            self.mask_embedding.copy_(seeded_normal(self.mask_embedding, 0.02, generator))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

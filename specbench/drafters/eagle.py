@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
+from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear, seeded_normal,
                                     pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
 
 KIND = "eagle"
@@ -188,7 +188,7 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, nn.Linear):
-                    module.weight.normal_(0.0, std, generator=generator)
+                    module.weight.copy_(seeded_normal(module.weight, std, generator))
                     if module.bias is not None:
                         module.bias.zero_()
                 elif isinstance(module, RMSNorm):

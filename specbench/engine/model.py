@@ -662,3 +662,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def seeded_normal(like: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
+    """N(0, std) values of `like`'s shape drawn on the CPU from `generator` (a CPU generator: the
+    seeded initialisations then give the same weights whatever device the module lives on),
+    moved to `like`'s device and dtype."""
+    values = torch.empty(like.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    return values.to(like.device, like.dtype)
