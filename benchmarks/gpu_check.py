@@ -9,7 +9,9 @@ toy size (`--toy`). Writes everything under --out (on the device machine: $OUT).
                 a sharpened output layer (argmax near-ties would make any two kernels disagree),
                 randomly initialised drafters: no checkpoint or GGUF has to travel.
   2. step_bench benchmarks/step_bench.py --shape llama-8b (b = 1 and 256, q = 1, 2, 8, context
-                1024, bf16, graphs, transformers.generate at b = 1 for the "x HF" ratio).
+                1024, bf16, graphs, transformers.generate at b = 1 for the "x HF" ratio), and the top
+                ops of one eager forward by device time (--op-profile: where the step loses the
+                bandwidth; the first H200 run, session 19, reached 51.6% of the floor at b = 1).
   3. profile    the cost profile of the llama-8b shape (random weights) with engine costs,
                 as `specbench profile` writes it, then `specbench simulate` on the committed CPU
                 load sweep's traces (results/sweeps/load-cpu) against it.
@@ -152,10 +154,10 @@ def run_step_bench(out: Path, device: str, toy: bool) -> int:
            str(out / ("step_bench_tiny.json" if toy else "step_bench_llama8b.json"))]
     if toy:
         cmd += ["--shape", "tiny", "--dtype", "bfloat16", "--batches", "1,4", "--qs", "1,2,8", "--iters", "5",
-                "--hf-tokens", "8"]
+                "--hf-tokens", "8", "--op-profile"]
     else:
         cmd += ["--shape", "llama-8b", "--dtype", "bfloat16", "--batches", "1,256", "--qs", "1,2,8",
-                "--context", "1024", "--iters", "20", "--hf-tokens", "32"]
+                "--context", "1024", "--iters", "20", "--hf-tokens", "32", "--op-profile"]
     log("step_bench: " + " ".join(cmd[1:]))
     return subprocess.call(cmd, cwd=ROOT)
 

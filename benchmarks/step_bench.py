@@ -152,6 +152,32 @@ def paired_floor(model: Transformer, context: int, pairs: int, qs=(1, 8), n_byte
             "ratio_to_q1_median": {str(q): med([a / b for a, b in zip(v, steps[qs[0]])]) for q, v in steps.items()}}
 
 
+def op_profile(model: Transformer, batch: int, q: int, context: int, top: int = 15) -> dict:
+    """Where one eager forward's device time goes (torch.profiler, graphs off so each kernel shows):
+    the `top` ops by self device time (self CPU time on a CPU), with their share of the total. Set
+    against the step's floor this says which op loses the bandwidth, which a graphed step's one
+    number cannot."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = model.device.type == "cuda"
+    graphed = getattr(model, "graphed", None)
+    model.graphed = None
+    try:
+        time_forward(model, batch, q, context, iters=0, warmup=2)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            time_forward(model, batch, q, context, iters=5, warmup=0)
+    finally:
+        model.graphed = graphed
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in events)
+    rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+    return {"batch": batch, "q": q, "time": key, "forwards": 5, "total_ms_per_forward": total / 5e3,
+            "ops": [{"name": e.key, "calls_per_forward": e.count / 5, "ms_per_forward": getattr(e, key) / 5e3,
+                     "share": getattr(e, key) / total} for e in rows]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
@@ -169,6 +195,8 @@ def main() -> None:
     ap.add_argument("--paired-floor", type=int, default=0, metavar="N",
                     help="CPU: also N passes of [1 GiB sum, b = 1 steps at q = 1 and 8], each step against the floor "
                          "of the read rate measured just before it")
+    ap.add_argument("--op-profile", action="store_true",
+                    help="also the top ops of one eager forward at b = 1, q = 1 and 8, by self device time")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -236,6 +264,14 @@ def main() -> None:
         hf_tps = hf_generate_tokens_per_s(model, args.device, dtype, args.hf_tokens, args.context)
         result.update(hf_generate_tokens_per_s=hf_tps, core_generate_tokens_per_s_b1=ours_tps,
                       speedup_vs_hf_generate=ours_tps / hf_tps)
+    if args.op_profile:
+        result["op_profile"] = [op_profile(model, 1, q, args.context) for q in (1, 8)]
+        for prof in result["op_profile"]:
+            print(f"ops of one eager forward, b=1 q={prof['q']}: {prof['total_ms_per_forward']:.2f} ms "
+                  f"({prof['time']})", flush=True)
+            for op in prof["ops"]:
+                print(f"  {op['ms_per_forward']:8.3f} ms {100 * op['share']:5.1f}%  x{op['calls_per_forward']:<5g} "
+                      f"{op['name'][:90]}", flush=True)
     for s in result["steps"]:
         base = next(t for t in result["steps"] if t["attention"] == s["attention"] and t["batch"] == s["batch"] and t["q"] == 1)
         s["ratio_to_q1"] = s["median_ms"] / base["median_ms"]
