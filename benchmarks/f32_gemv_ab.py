@@ -4,7 +4,11 @@ context 256: for each pass and each side, one forward (`forward_new_tokens` + `g
 q, then the paired ratio per pass. The machine's speed drifts within seconds on shared CPUs, so the
 two sides alternate call by call and the summary is the median of per-pass ratios.
 
-    python benchmarks/f32_gemv_ab.py [--passes 40] [--qs 1,2,4,8] [--batch 1]
+    python benchmarks/f32_gemv_ab.py [--passes 40] [--qs 1,2,4,8] [--batch 1] [--against OLD.cpp]
+
+--against: the other side is not F.linear but another version of the kernel's source, built here
+under another name, e.g. `git show 86b879a:specbench/engine/cpu_f32.cpp > /tmp/old.cpp` (session 18's
+blocked kernel against session 19's one-pass one).
 """
 import argparse
 import statistics
@@ -24,11 +28,28 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--passes", type=int, default=40)
 parser.add_argument("--qs", default="1,2,4,8")
 parser.add_argument("--batch", type=int, default=1)
+parser.add_argument("--against", help="a previous cpu_f32.cpp to compare with, instead of F.linear")
 args = parser.parse_args()
 qs = [int(q) for q in args.qs.split(",")]
 if not cpu_f32.available():
     sys.exit("f32_gemv_ab: the fp32 GEMV is not available on this machine (AVX2 + FMA and g++ needed)")
 target = load_model("smollm2-135m", dtype=torch.float32)
+current_op = torch.ops.specbench_cpu_f32.gemv_f32
+other_op = None
+if args.against:
+    source = Path("/tmp/specbench_gemv_against.cpp")
+    source.write_text(Path(args.against).read_text().replace("specbench_cpu_f32", "specbench_gemv_against"))
+    if not cpu_kernels.build("specbench_gemv_against", source, cpu_f32.FLAGS, "the kernel compared with"):
+        sys.exit("f32_gemv_ab: could not build --against")
+    other_op = torch.ops.specbench_gemv_against.gemv_f32
+
+
+def use(side: str) -> None:
+    """on: this checkout's kernel; off: F.linear, or the --against kernel in the kernel's place."""
+    if other_op is None:
+        cpu_kernels.ENABLED = side == "on"
+    else:
+        torch.ops.specbench_cpu_f32.gemv_f32 = current_op if side == "on" else other_op
 b = args.batch
 
 
@@ -48,17 +69,17 @@ with torch.inference_mode():
     target.model.setup_cache(b, 512)
     steps = {q: step(q) for q in qs}
     for side in ("on", "off"):  # warm-up
-        cpu_kernels.ENABLED = side == "on"
+        use(side)
         for q in qs:
             steps[q]()
     for _ in range(args.passes):
         for side in ("on", "off"):
-            cpu_kernels.ENABLED = side == "on"
+            use(side)
             for q in qs:
                 times[(side, q)].append(timed(steps[q]))
-    cpu_kernels.ENABLED = True
+    use("on")
 print(f"fp32, b = {b}, context 256, {args.passes} interleaved passes, {torch.get_num_threads()} threads")
-print("q  | GEMV on: median ms | off (F.linear) | on/off per pass, median [quartiles] | T(q)/T(1) on | off")
+print(f"q  | GEMV on: median ms | off ({'F.linear' if other_op is None else args.against}) | on/off per pass, median [quartiles] | T(q)/T(1) on | off")
 for q in qs:
     on, off = times[("on", q)], times[("off", q)]
     ratios = sorted(a / c for a, c in zip(on, off))

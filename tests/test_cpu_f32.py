@@ -22,6 +22,8 @@ def test_products_match_float64_and_rows_are_independent():
         assert (y.double() - exact).abs().max() <= 1e-5 * k ** 0.5 * (1 + exact.abs().max())
         alone = torch.cat([cpu_f32.gemv(x[i:i + 1], w) for i in range(len(x))])
         assert torch.equal(alone, y)  # bits: a row's result does not depend on the rows beside it
+        for m in range(9):  # the one-pass path (<= 8 rows) against the blocked one (11 rows); 0 rows too
+            assert torch.equal(cpu_f32.gemv(x[:m], w), y[:m])
         threads = torch.get_num_threads()
         try:
             for n_threads in (1, 2):
