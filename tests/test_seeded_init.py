@@ -1,5 +1,6 @@
 """Seeded drafter initialisation draws on the CPU: a seed gives the same weights whatever the module's
-device and dtype. (On a lent H200 the trainers and benchmarks/gpu_check.py failed with "Expected a
+device and dtype (the CUDA case itself runs in benchmarks/gpu_check.py on a lent GPU: the suite
+has no skips). (On a lent H200 the trainers and benchmarks/gpu_check.py failed with "Expected a
 'cuda' device type for generator but found 'cpu'" before `seeded_normal`.)"""
 from __future__ import annotations
 
@@ -41,15 +42,3 @@ def test_init_in_bf16_is_the_fp32_init_cast(build):
             assert torch.equal(a.to(torch.bfloat16), b), name
             compared += 1
     assert compared >= 4
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("build", [_drafter, _head], ids=["dspark", "eagle"])
-def test_init_on_cuda_equals_init_on_cpu(build):
-    target = tiny_model()
-    cpu = build(target, torch.float32)
-    cpu.init_weights(torch.Generator().manual_seed(0))
-    gpu = build(target.to("cuda"), torch.float32, "cuda")
-    gpu.init_weights(torch.Generator().manual_seed(0))
-    for (name, a), (_, b) in zip(cpu.state_dict().items(), gpu.state_dict().items()):
-        assert torch.equal(a, b.cpu()), name
