@@ -49,8 +49,9 @@ from torch import Tensor, nn
 
 from specbench.errors import UserError
 from specbench.engine import cpu_kernels
-from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, Snapshot, apply_rope, fresh_pack, seeded_normal,
-                                    linear, pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
+from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, Snapshot, apply_rope, fresh_pack,
+                                    linear, pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket,
+                                    seeded_normal)
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")

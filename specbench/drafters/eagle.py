@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear, seeded_normal,
-                                    pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket)
+from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
+                                    pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket,
+                                    seeded_normal)
 
 KIND = "eagle"
 
