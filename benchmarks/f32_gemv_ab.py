@@ -9,6 +9,8 @@ two sides alternate call by call and the summary is the median of per-pass ratio
 --against: the other side is not F.linear but another version of the kernel's source, built here
 under another name, e.g. `git show 86b879a:specbench/engine/cpu_f32.cpp > /tmp/old.cpp` (session 18's
 blocked kernel against session 19's one-pass one).
+--layers: "on" runs every decoder layer in one call (cpu_f32.decoder_layers), "off" the per-module
+path (torch's ops around the GEMV), the GEMV on both sides.
 """
 import argparse
 import statistics
@@ -21,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specbench.engine import cpu_f32, cpu_kernels  # noqa: E402
 from specbench.engine.core import forward_new_tokens  # noqa: E402
+from specbench.engine import model as model_module  # noqa: E402
 from specbench.engine.loading import load_model  # noqa: E402
 from specbench.engine.sampling import greedy_ids  # noqa: E402
 
@@ -29,7 +32,11 @@ parser.add_argument("--passes", type=int, default=40)
 parser.add_argument("--qs", default="1,2,4,8")
 parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--against", help="a previous cpu_f32.cpp to compare with, instead of F.linear")
+parser.add_argument("--layers", action="store_true",
+                    help="compare the one-call layers with the per-module path instead (the GEMV on both sides)")
 args = parser.parse_args()
+if args.layers and args.against:
+    sys.exit("f32_gemv_ab: --layers or --against, not both")
 qs = [int(q) for q in args.qs.split(",")]
 if not cpu_f32.available():
     sys.exit("f32_gemv_ab: the fp32 GEMV is not available on this machine (AVX2 + FMA and g++ needed)")
@@ -45,8 +52,11 @@ if args.against:
 
 
 def use(side: str) -> None:
-    """on: this checkout's kernel; off: F.linear, or the --against kernel in the kernel's place."""
-    if other_op is None:
+    """on: this checkout's kernel; off: F.linear, or the --against kernel in the kernel's place (or,
+    --layers: the one-call layers on / off)."""
+    if args.layers:
+        model_module.FUSED_LAYERS = side == "on"
+    elif other_op is None:
         cpu_kernels.ENABLED = side == "on"
     else:
         torch.ops.specbench_cpu_f32.gemv_f32 = current_op if side == "on" else other_op
@@ -79,7 +89,9 @@ with torch.inference_mode():
                 times[(side, q)].append(timed(steps[q]))
     use("on")
 print(f"fp32, b = {b}, context 256, {args.passes} interleaved passes, {torch.get_num_threads()} threads")
-print(f"q  | GEMV on: median ms | off ({'F.linear' if other_op is None else args.against}) | on/off per pass, median [quartiles] | T(q)/T(1) on | off")
+off_name = "per-module layers" if args.layers else "F.linear" if other_op is None else args.against
+print(f"q  | {'one-call layers' if args.layers else 'GEMV'} on: median ms | off ({off_name}) | "
+      "on/off per pass, median [quartiles] | T(q)/T(1) on | off")
 for q in qs:
     on, off = times[("on", q)], times[("off", q)]
     ratios = sorted(a / c for a, c in zip(on, off))

@@ -215,3 +215,14 @@ def make_drafter(target, seed=0, block_size=4, variant="dspark", std=0.2, draft_
             if p.dim() > 1:
                 p.normal_(0.0, std, generator=torch.Generator().manual_seed(seed + zlib.crc32(name.encode()) % 1000))
     return drafter.eval().requires_grad_(False)
+
+
+def attention_reference(xq, k_cache, v_cache, mask, dtype):
+    """The CPU kernels' attention in `dtype` through torch: xq [b, nh, q, hd], caches [B >= b, nkv, S, hd],
+    mask [b, q, kv_len] bool → [b, q, nh·hd] (a query with no visible key: NaN)."""
+    b, nh, q, hd = xq.shape
+    group, kv_len = nh // k_cache.shape[1], mask.shape[-1]
+    keys = k_cache[:b, :, :kv_len].repeat_interleave(group, 1).to(dtype)
+    values = v_cache[:b, :, :kv_len].repeat_interleave(group, 1).to(dtype)
+    scores = (xq.to(dtype) @ keys.transpose(-1, -2) / hd ** 0.5).masked_fill(~mask[:, None], float("-inf"))
+    return (scores.softmax(-1) @ values).transpose(1, 2).reshape(b, q, nh * hd)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from specbench.engine import cpu_kernels
 from specbench.engine.core import forward_new_tokens
 from specbench.engine.model import RMSNorm, apply_rope, fresh_pack, linear, pack_weight, rope_cos_sin
+from helpers import attention_reference
 from tests.tiny import tiny_model
 
 
@@ -157,15 +158,6 @@ def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(mon
     assert torch.equal(together, steps) and (b, q, 256) in calls
 
 
-def _attention_reference(xq, k_cache, v_cache, mask):
-    b, nh, q, hd = xq.shape
-    group, kv_len = nh // k_cache.shape[1], mask.shape[-1]
-    keys = k_cache[:b, :, :kv_len].repeat_interleave(group, 1).float()
-    values = v_cache[:b, :, :kv_len].repeat_interleave(group, 1).float()
-    scores = (xq.float() @ keys.transpose(-1, -2) / hd ** 0.5).masked_fill(~mask[:, None], float("-inf"))
-    return (scores.softmax(-1) @ values).transpose(1, 2).reshape(b, q, nh * hd)
-
-
 @pytest.mark.parametrize("nh,nkv,q,hd,kv_len", [(9, 3, 1, 64, 320), (9, 3, 4, 64, 260), (9, 3, 8, 64, 77),
                                                 (8, 2, 3, 128, 200), (4, 4, 8, 64, 16)])
 @torch.inference_mode()
@@ -178,7 +170,7 @@ def test_attention_kernel_is_as_accurate_as_sdpa_and_row_invariant(nh, nkv, q, h
     mask[..., 0] = True
     assert cpu_kernels.attend_applies(xq, k_cache, v_cache, mask)
     out = cpu_kernels.attend(xq, k_cache, v_cache, mask)
-    exact = _attention_reference(xq, k_cache, v_cache, mask)
+    exact = attention_reference(xq, k_cache, v_cache, mask, torch.float32)
     group = nh // nkv
     sdpa = F.scaled_dot_product_attention(xq, k_cache[:b, :, :kv_len].repeat_interleave(group, 1),
                                           v_cache[:b, :, :kv_len].repeat_interleave(group, 1), attn_mask=mask[:, None])
@@ -347,8 +339,8 @@ def test_all_layers_in_one_call_give_the_bits_of_the_per_module_path(b, q, monke
 
 
 def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(monkeypatch):
-    """A prefill, fp32, or one layer's stale pack: the per-module path runs; a decode step at any
-    number of rows takes the one call."""
+    """A prefill, fp32 (cpu_f32's one call, not this one), or one layer's stale pack: not this call; a
+    decode step at any number of rows takes it."""
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
     calls = []
     layers = cpu_kernels.decoder_layers

@@ -29,8 +29,8 @@ FP32, BF16 = torch.float32, torch.bfloat16
 
 
 @cache
-def target_in(dtype: torch.dtype):
-    return tiny_model(vocab=VOCAB, seed=0, scale=4.0, dtype=dtype)
+def target_in(dtype: torch.dtype, dim: int = 32):
+    return tiny_model(vocab=VOCAB, dim=dim, seed=0, scale=4.0, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,13 @@ def ranked(draft, seed: int = 5):
     return draft
 
 
-@pytest.mark.parametrize("batch_size,dtype", [(1, FP32), (4, FP32), (16, FP32), (1, BF16), (16, BF16)],
-                         ids=["b1-fp32", "b4-fp32", "b16-fp32", "b1-bf16", "b16-bf16"])
-def test_greedy_identity_tiny(prompts, batch_size, dtype):
-    target = target_in(dtype)
+# dim 256 = 4 heads of 64: the head size the CPU kernels' attention takes (fp32 on AVX2, bf16 on AVX-512
+# BF16), so decode and verify forwards run every layer in one kernel call there.
+@pytest.mark.parametrize("batch_size,dtype,dim", [(1, FP32, 32), (4, FP32, 32), (16, FP32, 32), (1, BF16, 32),
+                                                  (16, BF16, 32), (1, FP32, 256), (16, FP32, 256)],
+                         ids=["b1-fp32", "b4-fp32", "b16-fp32", "b1-bf16", "b16-bf16", "b1-fp32-hd64", "b16-fp32-hd64"])
+def test_greedy_identity_tiny(prompts, batch_size, dtype, dim):
+    target = target_in(dtype, dim)
     config = SamplingConfig(max_new_tokens=40, temperature=0.0)
     reference = [r.output_ids for r in decode_in_batches(target, Policy(), prompts, 1, config)]
     for name, policy in policies(target).items():

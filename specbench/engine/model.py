@@ -103,8 +103,9 @@ def _rope_scaling(c: dict) -> dict | None:
 # off to measure the plain path; both compute the same attention.
 FOLD_GQA_HEADS = True
 # Where every layer of a forward takes the bf16 CPU kernels, run them all in one call
-# (cpu_kernels.decoder_layers: the same kernels in the same order, without Python between them).
-# Tests and benchmarks switch it off to compare with the per-module path.
+# (cpu_kernels.decoder_layers: the same kernels in the same order, without Python between them); an
+# fp32 decode or verify forward on an AVX2 CPU likewise (cpu_f32.decoder_layers, whose bits are close
+# to the per-module path's, not equal). Tests and benchmarks switch it off to compare with that path.
 FUSED_LAYERS = True
 
 
@@ -237,7 +238,7 @@ def pack_rows(projections) -> tuple[Tensor, Tensor | None]:
 def packed_rows_hold(weight: Tensor | None, projections) -> bool:
     """Whether `projections`' weights are still consecutive views of `weight` (pack_rows; a .to(),
     an assigning load or a replaced parameter breaks that) and no gradient must reach them."""
-    if weight is None or (torch.is_grad_enabled() and projections[0].weight.requires_grad):
+    if weight is None or (torch.is_grad_enabled() and any(p.weight.requires_grad for p in projections)):
         return False
     step = weight.stride(0) * weight.element_size()
     start = 0
@@ -543,14 +544,18 @@ class Transformer(nn.Module):
         """The per-layer tensors of cpu_kernels.decoder_layers, or None unless every layer would
         take the kernel route at every op in DecoderLayer.forward (the same checks, so both paths
         compute the same bits): bf16 on a CPU, no gradient, packs fresh, no biases or q/k norms,
-        few enough rows for the GEMV and tokens for the attention kernel.
+        few enough rows for the GEMV and tokens for the attention kernel. Or, for an fp32 decode or
+        verify forward on an AVX2 CPU, those of cpu_f32.decoder_layers (`cpu_f32.decoder_layers_apply`;
+        the per-module path then differs from it in its last bits, so every decode and verify forward
+        takes it: the AR steps and the verify forwards that replace them compute alike).
 
         The per-layer checks (~30 layers × a dozen tensors) cost a good part of a millisecond of
         Python per forward, so their outcome is kept with a snapshot of everything it read (see
         `_stack_snapshot`) and reused while the snapshot holds."""
         b, q, _ = x.shape
-        if (mask.dtype != torch.bool or not cpu_kernels.applies(x)
-                or not cpu_kernels.decoder_layers_apply(self.args, b * q, q)):
+        f32 = cpu_f32.decoder_layers_apply(self.args, x, mask)
+        if not f32 and (mask.dtype != torch.bool or not cpu_kernels.applies(x)
+                        or not cpu_kernels.decoder_layers_apply(self.args, b * q, q)):
             return None
         if torch.is_grad_enabled():  # requires_grad flags are not in the snapshot: check afresh
             return self._build_kernel_stack()
@@ -562,6 +567,8 @@ class Transformer(nn.Module):
         return lists
 
     def _build_kernel_stack(self) -> tuple[list[Tensor], ...] | None:
+        if self.lm_head.weight.dtype == torch.float32:
+            return self._build_f32_stack()
         lists = tuple([] for _ in range(8))
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -578,6 +585,25 @@ class Transformer(nn.Module):
             for out, t in zip(lists, (layer.input_layernorm.weight, packs[0].gemv, packs[1].gemv,
                                       layer.post_attention_layernorm.weight, packs[2].gemv, packs[3].gemv,
                                       attn.k_cache, attn.v_cache)):
+                out.append(t)
+        return lists
+
+    def _build_f32_stack(self) -> tuple[list[Tensor], ...] | None:
+        """cpu_f32.decoder_layers' lists: the weights as they are (packed q|k|v and gate|up, contiguous
+        float32, no gradient needed) and the float32 caches."""
+        lists = tuple([] for _ in range(8))
+        grad = torch.is_grad_enabled()
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (attn._packed() and mlp._packed()) or attn.qkv_bias is not None:
+                return None
+            tensors = (layer.input_layernorm.weight, attn.qkv_weight, attn.o_proj.weight,
+                       layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.down_proj.weight,
+                       attn.k_cache, attn.v_cache)
+            if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                   or (grad and t.requires_grad) for t in tensors):
+                return None
+            for out, t in zip(lists, tensors):
                 out.append(t)
         return lists
 
@@ -620,7 +646,10 @@ class Transformer(nn.Module):
         folded_mask = fold_mask(mask, a.n_heads // a.n_kv_heads) if FOLD_GQA_HEADS else None
         tapped = []
         stack = self._kernel_stack(x, mask) if FUSED_LAYERS else None
-        if stack is not None:  # bf16 on a CPU, a decode or verify forward: every layer in one call
+        if stack is not None and x.dtype == torch.float32:  # fp32, an AVX2 CPU, decode or verify: one call
+            x, tapped = cpu_f32.decoder_layers(x, *stack, cos, sin, slots, mask, a.norm_eps, a.n_heads, a.n_kv_heads,
+                                               a.head_dim, sorted(t for t in set(taps) if 0 <= t < a.n_layers))
+        elif stack is not None:  # bf16 on a CPU, a decode or verify forward: every layer in one call
             x, tapped = cpu_kernels.decoder_layers(x, *stack, cos, sin, slots, mask, a.norm_eps, a.n_heads,
                                                    a.n_kv_heads, a.head_dim, a.intermediate_size,
                                                    sorted(t for t in set(taps) if 0 <= t < a.n_layers))
