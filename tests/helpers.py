@@ -226,3 +226,21 @@ def attention_reference(xq, k_cache, v_cache, mask, dtype):
     values = v_cache[:b, :, :kv_len].repeat_interleave(group, 1).to(dtype)
     scores = (xq.to(dtype) @ keys.transpose(-1, -2) / hd ** 0.5).masked_fill(~mask[:, None], float("-inf"))
     return (scores.softmax(-1) @ values).transpose(1, 2).reshape(b, q, nh * hd)
+
+
+def scattered_slot_cases(dtype, trials=20):
+    """(xq, keys, values, scattered mask, the same keys and values packed consecutively, their mask):
+    a tree node's view of the cache (the prefix and ancestors at scattered slots) and the AR step's view
+    of the same keys in consecutive slots, for the attention kernels' slot-independence tests."""
+    generator = torch.Generator().manual_seed(5)
+    nh, nkv, hd, prefix, spread = 9, 3, 64, 37, 50
+    xq = torch.randn(1, nh, 1, hd, generator=generator).to(dtype)
+    keys, values = (torch.randn(1, nkv, prefix + spread, hd, generator=generator).to(dtype) for _ in range(2))
+    for trial in range(trials):
+        chosen = prefix + torch.randperm(spread, generator=generator)[:1 + trial % 9].sort().values
+        scattered = torch.zeros(1, 1, prefix + spread, dtype=torch.bool)
+        scattered[..., :prefix] = True
+        scattered[..., chosen] = True
+        seen = torch.cat([torch.arange(prefix), chosen])
+        consecutive = torch.ones(1, 1, len(seen), dtype=torch.bool)
+        yield xq, keys, values, scattered, keys[:, :, seen].contiguous(), values[:, :, seen].contiguous(), consecutive

@@ -8,7 +8,7 @@ import torch
 from specbench.engine import cpu_f32, cpu_kernels
 from specbench.engine.core import forward_new_tokens
 from specbench.engine.model import linear
-from helpers import attention_reference
+from helpers import attention_reference, scattered_slot_cases
 from tests.tiny import tiny_model
 
 
@@ -155,19 +155,9 @@ def test_attention_is_exact_to_fp32_rounding_and_row_invariant(b, nh, nkv, q, hd
 def test_attention_bits_depend_on_the_keys_a_query_sees_not_on_their_slots():
     """A tree node sees the prefix and its ancestors at scattered slots; the AR step that computes the
     same token saw the same keys in consecutive slots. Same keys in the same order: same bits."""
-    g = torch.Generator().manual_seed(5)
-    nh, nkv, hd, prefix, spread = 9, 3, 64, 37, 50
-    xq = torch.randn(1, nh, 1, hd, generator=g)
-    keys, values = (torch.randn(1, nkv, prefix + spread, hd, generator=g) for _ in range(2))
-    for trial in range(20):
-        chosen = prefix + torch.randperm(spread, generator=g)[:1 + trial % 9].sort().values
-        scattered = torch.zeros(1, 1, prefix + spread, dtype=torch.bool)
-        scattered[..., :prefix] = True
-        scattered[..., chosen] = True
-        seen = torch.cat([torch.arange(prefix), chosen])
-        consecutive = torch.ones(1, 1, len(seen), dtype=torch.bool)
+    for xq, keys, values, scattered, packed_keys, packed_values, consecutive in scattered_slot_cases(torch.float32):
         assert torch.equal(cpu_f32.attend(xq, keys, values, scattered),
-                           cpu_f32.attend(xq, keys[:, :, seen].contiguous(), values[:, :, seen].contiguous(), consecutive))
+                           cpu_f32.attend(xq, packed_keys, packed_values, consecutive))
 
 
 @pytest.mark.parametrize("branching", [(4, 4), (3, 3, 3)])  # 20 and 39 draft nodes

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specbench.engine import cpu_kernels
 from specbench.engine.core import forward_new_tokens
 from specbench.engine.model import RMSNorm, apply_rope, fresh_pack, linear, pack_weight, rope_cos_sin
-from helpers import attention_reference
+from helpers import attention_reference, scattered_slot_cases
 from tests.tiny import tiny_model
 
 
@@ -196,18 +196,7 @@ def test_attention_kernel_is_as_accurate_as_sdpa_and_row_invariant(nh, nkv, q, h
 def test_attention_bits_depend_on_the_keys_a_query_sees_not_on_their_slots():
     """A tree node sees the prefix and its ancestors at scattered slots; the AR step that computes
     the same token saw the same keys in consecutive slots. Same keys in the same order: same bits."""
-    generator = torch.Generator().manual_seed(5)
-    nh, nkv, hd, prefix, spread = 9, 3, 64, 37, 50
-    xq = torch.randn(1, nh, 1, hd, generator=generator).to(torch.bfloat16)
-    keys, values = (torch.randn(1, nkv, prefix + spread, hd, generator=generator).to(torch.bfloat16) for _ in range(2))
-    for trial in range(20):
-        chosen = prefix + torch.randperm(spread, generator=generator)[:1 + trial % 9].sort().values
-        scattered = torch.zeros(1, 1, prefix + spread, dtype=torch.bool)
-        scattered[..., :prefix] = True
-        scattered[..., chosen] = True
-        seen = torch.cat([torch.arange(prefix), chosen])
-        packed_keys, packed_values = keys[:, :, seen].contiguous(), values[:, :, seen].contiguous()
-        consecutive = torch.ones(1, 1, len(seen), dtype=torch.bool)
+    for xq, keys, values, scattered, packed_keys, packed_values, consecutive in scattered_slot_cases(torch.bfloat16):
         assert torch.equal(cpu_kernels.attend(xq, keys, values, scattered),
                            cpu_kernels.attend(xq, packed_keys, packed_values, consecutive))
 
