@@ -27,6 +27,12 @@ SOURCE_ROOT = PACKAGE_DIR.parent
 INSTALLED_ROOT = PACKAGE_DIR / "_shipped"
 
 
+def cache_dir() -> Path:
+    """The suite's cache folder (converted models, cost profiles, built kernels, training data):
+    $SPECBENCH_CACHE, else ~/.cache/specbench."""
+    return Path(os.environ.get("SPECBENCH_CACHE") or Path.home() / ".cache" / "specbench")
+
+
 def source_checkout() -> Path | None:
     """The repository this package runs from, or None for an installed (non-editable) package."""
     return SOURCE_ROOT if (SOURCE_ROOT / "pyproject.toml").is_file() else None

@@ -265,3 +265,23 @@ def test_cpu_kernels_only_where_the_cpu_has_them_and_torchs_routes_otherwise():
             assert torch.equal(linear(x, off.weight, None, off.gemm_pack), torch.nn.functional.linear(x, off.weight))
     finally:
         cpu_kernels.ENABLED = True
+
+
+def test_kernels_build_from_a_copy_named_by_their_code(tmp_path, monkeypatch):
+    """Two checkouts of the same kernel source share one build (torch's loader rebuilds whenever the
+    source path changes); other code or other flags get another."""
+    from specbench.engine.cpu_kernels import kernel_source
+
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_text("int f() { return 1; }\n")
+    copy, digest = kernel_source(first, ["-O3"])
+    assert kernel_source(second, ["-O3"]) == (copy, digest)
+    assert copy.read_text() == first.read_text() and copy.name == "k.cpp"
+    assert kernel_source(first, ["-O2"])[1] != digest
+    second.write_text("int f() { return 2; }\n")
+    other, other_digest = kernel_source(second, ["-O3"])
+    assert other_digest != digest and other.read_text() == second.read_text()
+    assert copy.read_text() == first.read_text()  # the first build's copy is left as it was

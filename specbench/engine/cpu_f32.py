@@ -13,7 +13,7 @@ adds: ~14 of 36 ms on that EPYC, docs/performance.md "Session 19"); `decoder_lay
 one call, with attention of its own whose bits, like the GEMV's, are a row's own (SDPA's rounding may
 depend on the number of queries).
 
-Built once per machine and torch with torch's C++ extension loader, like the bf16 kernels; used for
+Built once per machine, torch and kernel source with torch's C++ extension loader, like the bf16 kernels; used for
 float32 projections on a CPU with AVX2 + FMA, no gradient needed, in forwards of at most
 `cpu_kernels.MAX_ATTEND_TOKENS` new tokens a row (decode and verify; prefill keeps F.linear), or of
 at most MAX_FLAT_ROWS rows of a flat [rows, k] input. `SPECBENCH_CPU_KERNELS=0` turns it off too.

@@ -3,8 +3,8 @@ that streams the weights at close to the machine's read rate, and the small per-
 (RMSNorm, residual add + RMSNorm, q/k/v split + rope + KV-cache write, attention over the cache,
 the MLP's silu(gate) · up) fused into one call each.
 
-Built once per machine and torch with torch's C++ extension loader (g++ and ninja; torch keeps the
-build in its extensions folder and rebuilds when the source changes) and used only where it
+Built once per machine, torch and kernel source with torch's C++ extension loader (g++ and ninja;
+torch keeps the build in its extensions folder; `build` below) and used only where it
 applies: bf16 on a CPU with AVX-512 BF16, no gradient needed. Everywhere else, or when the build
 fails (one line on stderr says why), model.py takes torch's routes. `SPECBENCH_CPU_KERNELS=0`
 turns the kernels off (A/B runs, bisecting); benchmarks flip `ENABLED`.
@@ -17,6 +17,7 @@ orders than torch's, so their bits are not torch's; rope and the residual add ar
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import time
@@ -24,6 +25,9 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from specbench.atomic import write_bytes
+from specbench.resources import cache_dir
 
 # Up to this many rows the GEMV took no more time than oneDNN's pre-packed GEMM on the projections
 # of the default model on the AMX Xeon: 64 with AMX tiles (at 128 oneDNN won on the 49152-row head), 8
@@ -80,24 +84,42 @@ def available() -> bool:
 
 
 def build(name: str, source: Path, flags: list[str], what: str) -> bool:
-    """Build and load a C++ op library once per machine and torch (torch keeps the build and
-    rebuilds when the source changes). False, with one line on stderr, where it can't be built: no
-    compiler, no ninja, an assembler without the instructions; torch's routes then remain."""
+    """Build and load a C++ op library once per machine, torch and source. False, with one line on
+    stderr, where it can't be built: no compiler, no ninja, an assembler without the instructions;
+    torch's routes then remain.
+
+    torch's loader keys a build by the extension's name and rebuilds whenever the source path in it
+    changes, so two checkouts of the same code (a fresh clone beside a working tree) rebuilt each
+    other's kernels in turn, ~13 s each. The source is therefore built from a copy named by its
+    content and flags (`kernel_source`), under a name with the same digest: the same code builds once."""
     from torch.utils import cpp_extension
 
     t0 = time.time()
     try:
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        stable, digest = kernel_source(source, flags)
+        cpp_extension.load(name=f"{name}_{digest}", sources=[str(stable)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         first = next((line for line in lines if "error:" in line), lines[0][:200] if lines else type(e).__name__)
         print(f"specbench: {what} not built ({first}); using torch's routes", file=sys.stderr, flush=True)
         return False
     if time.time() - t0 > 5:
-        print(f"specbench: built {what} in {time.time() - t0:.0f} s (once per machine and torch)",
+        print(f"specbench: built {what} in {time.time() - t0:.0f} s (once per machine, torch and kernel source)",
               file=sys.stderr, flush=True)
     return True
+
+
+def kernel_source(source: Path, flags: list[str]) -> tuple[Path, str]:
+    """(a copy of `source` at a path named by the digest of its bytes and `flags`, the digest), under
+    the suite's cache folder (SPECBENCH_CACHE or ~/.cache/specbench), written atomically."""
+    code = source.read_bytes()
+    digest = hashlib.sha256(code + "\0".join(flags).encode()).hexdigest()[:12]
+    copy = cache_dir() / "kernels" / f"{source.stem}-{digest}" / source.name
+    if not copy.is_file() or copy.read_bytes() != code:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(copy, code)
+    return copy, digest
 
 
 def applies(*tensors: Tensor) -> bool:

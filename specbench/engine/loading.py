@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from safetensors.torch import load_file, save_file
 
-from specbench import atomic
+from specbench import atomic, resources
 from specbench.engine.dtypes import auto_dtype, auto_without_measuring, cast_model, check_device_dtype, dtype_name, parse_dtype
 from specbench.errors import UserError
 from specbench.engine.model import ModelArgs, Transformer
@@ -82,7 +82,7 @@ ALIASES = {
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SPECBENCH_CACHE") or Path.home() / ".cache" / "specbench")
+    return resources.cache_dir()
 
 
 # ---------------------------------------------------------------------------------------------
