@@ -587,3 +587,103 @@ def test_a_drafting_round_in_one_call_gives_the_bits_of_append_and_draft_block(d
     for (tokens, probs, z), (ref_tokens, ref_probs, ref_z) in zip(outs, ref_outs):
         assert torch.equal(tokens, ref_tokens) and torch.equal(probs, ref_probs) and torch.equal(z, ref_z)
     assert len(set(torch.cat([o[0] for o in outs]).flatten().tolist())) > 3  # the drafts are not all one token
+
+
+def _sampled_rounds(drafter, g, b, fused, monkeypatch, temperature=1.0, top_p=1.0, seed=5):
+    """Three drafting rounds at `temperature` from the same start and seed (fused or two calls):
+    (outs, context cache, lengths, the uniforms the first round's kernel drew)."""
+    from specbench.drafters import dspark
+
+    monkeypatch.setattr(dspark, "FUSED_ROUND", fused)
+    data = torch.Generator().manual_seed(11)
+    prompt = torch.randn(b, 12, 3 * 256, generator=data).bfloat16()
+    rounds = [(torch.randn(b, 2, 3 * 256, generator=data).bfloat16(), torch.randint(0, 3, (b,), generator=data))
+              for _ in range(2)] + [(None, None)]
+    anchors = torch.randint(0, 96, (b,), generator=data)
+    sampler = torch.Generator().manual_seed(seed)
+    first_uniforms = torch.rand(b, drafter.block_size, generator=torch.Generator().set_state(sampler.get_state()),
+                                dtype=torch.float64)
+    with torch.inference_mode():
+        drafter.setup_cache(b, 40)
+        for c in drafter.k_cache + drafter.v_cache:
+            c.zero_()
+        drafter.append_context(prompt, torch.full((b,), 12))
+        outs = [drafter.draft_round(f, c, anchors, temperature, top_p, sampler, with_probs=True) for f, c in rounds]
+    return outs, [c[:, :, :drafter.max_ctx].clone() for c in drafter.k_cache + drafter.v_cache], drafter.ctx_len.clone(), \
+        first_uniforms
+
+
+def test_a_sampled_drafting_round_in_one_call_draws_from_the_probs_it_returns(monkeypatch):
+    """A sampled round (temperature > 0, top_p = 1) in one kernel call: at b = 1, with the same seed, the
+    two-call path's tokens, confidence logits and context cache, and its distributions to fp32 rounding
+    (the kernel computes its own softmax); at b = 3, every token is exactly the inversion of the returned
+    distribution (over the draft vocabulary, in its order) at the generator's uniform, and no mass lies
+    outside the draft vocabulary. With a nucleus (top_p < 1) the round keeps the two calls."""
+    drafter, g = _random_dspark(8, 40, block=4)
+    calls = []
+    fused_round = cpu_kernels.dspark_round
+    monkeypatch.setattr(cpu_kernels, "dspark_round", lambda *a: calls.append(1) or fused_round(*a))
+    for temperature in (1.0, 0.7):
+        (outs, cache, lengths, _), (ref_outs, ref_cache, ref_lengths, _) = (
+            _sampled_rounds(drafter, g, 1, fused, monkeypatch, temperature) for fused in (True, False))
+        assert torch.equal(lengths, ref_lengths) and all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
+        for (tokens, probs, z), (ref_tokens, ref_probs, ref_z) in zip(outs, ref_outs):
+            assert torch.equal(tokens, ref_tokens) and torch.equal(z, ref_z)
+            torch.testing.assert_close(probs, ref_probs, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 6
+    calls.clear()
+    outs, _, _, uniforms = _sampled_rounds(drafter, g, 3, True, monkeypatch)
+    assert len(calls) == 3
+    tokens, probs, _ = outs[0]
+    ids = drafter.vocab_ids
+    in_draft_order = probs[..., ids].double()
+    torch.testing.assert_close(in_draft_order.sum(-1), torch.ones(3, 4, dtype=torch.float64))
+    outside = probs.clone()
+    outside[..., ids] = 0.0
+    assert not outside.any()  # no mass outside the draft vocabulary
+    cdf = in_draft_order.cumsum(-1)
+    index = torch.searchsorted(cdf, (uniforms * cdf[..., -1])[..., None], right=True)[..., 0]
+    assert torch.equal(ids[index], tokens)
+    calls.clear()
+    _sampled_rounds(drafter, g, 1, True, monkeypatch, top_p=0.9)
+    assert calls == []
+
+
+def test_dspark_sampling_with_the_one_call_round_matches_the_target(monkeypatch):
+    """The whole policy at temperature 1 in bf16 with its drafting rounds in one kernel call (sampled
+    Markov head, a reduced draft vocabulary): χ² of its outputs against the target's exact joint."""
+    from helpers import N_SAMPLES, N_TOKENS, SMALL_VOCAB, chi_square, exact_joint
+    from specbench.drafters.dspark import DSparkArgs, build_drafter
+    from specbench.engine.core import SamplingConfig, generate
+    from specbench.policies.dspark import DSpark
+
+    target = tiny_model(vocab=SMALL_VOCAB, dim=256, layers=2, dtype=torch.bfloat16, seed=10, scale=2.0)
+    args = DSparkArgs.for_target(target.args, tap_layers=[0, 1], n_layers=1, block_size=3, markov_rank=8, draft_vocab=3)
+    drafter = build_drafter(args, target).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        drafter.set_draft_vocab(torch.tensor([4, 0, 2]))
+    drafter.pack_weights()
+    calls = []
+    fused_round = cpu_kernels.dspark_round
+    monkeypatch.setattr(cpu_kernels, "dspark_round", lambda *a: calls.append(1) or fused_round(*a))
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    pol = DSpark(drafter, scheduler="algorithm1", step_seconds=lambda rows, q: 0.01 + 0.0001 * rows * q,
+                 sts_temperatures=[1.5, 0.7, 1.0], group_size=4)
+    # Batches of 8: the round's Markov GEMV takes at most that many rows (cpu_kernels.gemv_takes), so larger
+    # batches keep the two calls. Each batch its own seed.
+    requests = []
+    for i in range(0, N_SAMPLES, 8):
+        config = SamplingConfig(max_new_tokens=N_TOKENS, temperature=1.0, seed=99 + i)
+        requests += generate(target, pol, [prompt] * min(8, N_SAMPLES - i), config).requests
+    assert calls, "the one-call sampled round was not taken"
+    counts = {}
+    for r in requests:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    assert 0 < sum(r.accepted for r in requests) < sum(r.drafted for r in requests)
+    pvalue, tv = chi_square(exact, counts)
+    assert pvalue > 1e-3, f"DSpark with the one-call sampled round differs from the target (p={pvalue:.2e}, TV={tv:.4f})"

@@ -643,13 +643,17 @@ class DSparkDrafter(nn.Module):
     def draft_round(self, features: Tensor | None, counts: Tensor | None, anchor_tokens: Tensor, temperature: float,
                     top_p: float = 1.0, generator: torch.Generator | None = None, with_probs: bool = True):
         """A policy's drafting round: append_context(features, counts) (None: nothing new), then
-        draft_block(anchor_tokens, None, ...), with draft_block's return. bf16 on a CPU at temperature 0,
-        where every step would take its kernel route, both run in one kernel call
-        (cpu_kernels.dspark_round) with the same bits, without the Python between the kernels: 3.17 →
-        2.32 ms a round after a target step, but 0.1–0.3 ms a round in decoding, within the noise
-        (docs/performance.md "Session 14")."""
+        draft_block(anchor_tokens, None, ...), with draft_block's return. bf16 on a CPU, where every step
+        would take its kernel route, both run in one kernel call (cpu_kernels.dspark_round), without the
+        Python between the kernels. Greedy: the same bits as the two calls (3.17 → 2.32 ms a round after a
+        target step, but 0.1–0.3 ms a round in decoding, within the noise; docs/performance.md "Session 14").
+        Sampled at top_p = 1: the Markov head samples in the kernel too, from distributions it computes
+        and returns, so the drafts are exact draws from the returned probs (equal to draft_block's up to
+        fp32 rounding); this is where the one call pays most (docs/performance.md "Session 22")."""
         b = anchor_tokens.shape[0]
-        fused = self._round_kernel_args(features, b) if temperature <= 0 and FUSED_ROUND else None
+        # Sampled rounds take the kernel at top_p = 1 (its sampler has no nucleus filter).
+        kernel_sampling = temperature <= 0 or top_p >= 1.0
+        fused = self._round_kernel_args(features, b) if kernel_sampling and FUSED_ROUND else None
         if fused is None:
             if features is not None:
                 self.append_context(features, counts=counts)
@@ -657,17 +661,24 @@ class DSparkDrafter(nn.Module):
         if features is not None and int((self.ctx_len[:b] + counts).max()) > self.max_ctx:
             raise ValueError(f"draft context cache overflow (capacity {self.max_ctx}); call setup_cache with more room")
         a = self.args.model_args
-        tokens, _, confidence = cpu_kernels.dspark_round(
+        # One uniform per slot, drawn up front (the Python loop draws them slot by slot: the same
+        # stream at b = 1, another assignment to rows beyond; each is one U[0, 1) either way).
+        uniforms = (torch.rand(b, self.block_size, generator=generator, dtype=torch.float64)
+                    if temperature > 0 else None)
+        tokens, _, confidence, draft_probs = cpu_kernels.dspark_round(
             features, counts.long() if counts is not None else None, self.ctx_len, *fused, anchor_tokens,
             self.embed_weight, self.mask_embedding, self._layer_packs[1][:6], self.k_cache, self.v_cache,
             self.inv_freq, self.norm.weight,
             self._draft_head[2].gemv, self.draft_vocab_size, self.markov_w1.weight, self._markov_w2_pack,
             self.vocab_ids, self.confidence_head.weight, self.confidence_head.bias, a.norm_eps, a.n_heads,
-            a.n_kv_heads, a.head_dim, a.intermediate_size, self.block_size, self.max_ctx)
+            a.n_kv_heads, a.head_dim, a.intermediate_size, self.block_size, self.max_ctx, uniforms, temperature)
         probs = None
-        if with_probs:  # one-hot over the target's vocabulary, as draft_block gives at temperature 0
+        if with_probs:  # over the target's vocabulary, as draft_block gives them (zero outside the draft vocabulary)
             probs = torch.zeros(b, self.block_size, a.vocab_size, dtype=torch.float32, device=tokens.device)
-            probs.scatter_(2, tokens[..., None], 1.0)
+            if draft_probs is None:  # greedy: one-hot
+                probs.scatter_(2, tokens[..., None], 1.0)
+            else:
+                probs.scatter_(2, self.vocab_ids.expand(b, self.block_size, -1), draft_probs)
         return tokens, probs, confidence
 
     def _round_kernel_args(self, features: Tensor | None, b: int) -> tuple | None:

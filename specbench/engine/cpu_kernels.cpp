@@ -723,9 +723,65 @@ at::Tensor argmax_bf16(const at::Tensor& x) {
 // whose ~7 × 6 torch calls cost ~0.7 ms a round on the 2-core Xeon; then, given its weights, the
 // confidence head's logits z_k (from h_k and x_{k−1}). Returns (tokens [b, γ], the previous tokens
 // [b, γ] = [anchor, x_1 .. x_{γ−1}], z [b, γ] bf16 or uninitialised without a confidence head).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
+//
+// Sampled (uniforms given, temperature > 0; what draft_block's loop does at top_p = 1): x_k is drawn from
+// p = softmax(float(logits) / T), computed here in fp32 (exp_nonpositive, so its last bits are not
+// torch.softmax's), by inverting its CDF summed in float64 at u_k · Σp, as sampling.py's `sample`
+// does: the first index whose cumulative mass exceeds it (a p of 0 is never drawn). p itself is
+// returned [b, γ, Vd] fp32: the verifier's rejection test needs exactly the distribution each draft
+// came from, and this is it, whatever its rounding — so drafts stay lossless.
+void sample_position(const bf16* logits, int64_t Vd, float temperature, double u, float* p, int64_t* index) {
+  const int64_t full = Vd / 16 * 16;
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  const __m512 vt = _mm512_set1_ps(temperature);  // logits / T, as probs_from_logits divides
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 z = _mm512_div_ps(_mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(logits + j))), vt);
+    _mm512_storeu_ps(p + j, z);
+    vmax = _mm512_max_ps(vmax, z);
+  }
+  float top = _mm512_reduce_max_ps(vmax);
+  for (int64_t j = full; j < Vd; ++j) {
+    p[j] = static_cast<float>(logits[j]) / temperature;
+    top = std::max(top, p[j]);
+  }
+  const __m512 vtop = _mm512_set1_ps(top);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + j), vtop));
+    _mm512_storeu_ps(p + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (int64_t j = full; j < Vd; ++j) {
+    alignas(64) float tail[16];
+    _mm512_store_ps(tail, exp_nonpositive(_mm512_set1_ps(p[j] - top)));
+    p[j] = tail[0];
+    sum += p[j];
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  for (int64_t j = 0; j < full; j += 16) _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
+  for (int64_t j = full; j < Vd; ++j) p[j] *= 1.f / sum;
+  double total = 0.0;
+  for (int64_t j = 0; j < Vd; ++j) total += static_cast<double>(p[j]);
+  const double target = u * total;
+  double cdf = 0.0;
+  int64_t chosen = Vd - 1;  // u < 1, so some index qualifies; the last one only guards a rounding tie
+  for (int64_t j = 0; j < Vd; ++j) {
+    cdf += static_cast<double>(p[j]);
+    if (cdf > target) {
+      chosen = j;
+      break;
+    }
+  }
+  *index = chosen;
+}
+
+// The Markov head as described above; uniforms [b, γ] float64 (empty: greedy). Returns (tokens, previous
+// tokens, confidence logits, p [b, γ, Vd] fp32 or empty when greedy).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> markov_head(
     const at::Tensor& base, const at::Tensor& anchors, const at::Tensor& w1, const at::Tensor& w2_packed,
-    const at::Tensor& vocab_ids, const at::Tensor& h, const at::Tensor& conf_weight, const at::Tensor& conf_bias) {
+    const at::Tensor& vocab_ids, const at::Tensor& h, const at::Tensor& conf_weight, const at::Tensor& conf_bias,
+    const at::Tensor& uniforms, double temperature) {
   check_bf16_cpu(base, "markov_draft_bf16");
   check_bf16_cpu(w1, "markov_draft_bf16");
   TORCH_CHECK(base.dim() == 3 && anchors.dim() == 1 && anchors.size(0) == base.size(0) &&
@@ -741,6 +797,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
   int64_t* tp = tokens.data_ptr<int64_t>();
   int64_t* pp = prevs.data_ptr<int64_t>();
   const bf16* up = u.data_ptr<bf16>();
+  const bool sampled = uniforms.numel() > 0;
+  TORCH_CHECK(!sampled || (uniforms.scalar_type() == at::kDouble && uniforms.dim() == 2 && uniforms.size(0) == b &&
+                           uniforms.size(1) == g && temperature > 0),
+              "markov_draft_bf16: uniforms [b, γ] float64 and a temperature > 0, or no uniforms (greedy)");
+  const at::Tensor uc = sampled ? uniforms.contiguous() : uniforms;
+  at::Tensor probs = sampled ? at::empty({b, g, Vd}, base.options().dtype(at::kFloat)) : at::empty({0}, base.options().dtype(at::kFloat));
   at::Tensor x = at::empty({b, r}, base.options());
   std::vector<bf16> logits(Vd);
   for (int64_t rr = 0; rr < b; ++rr) pp[rr * g] = anchor.data_ptr<int64_t>()[rr];
@@ -756,7 +818,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
       const bf16* row = up + (rr * g + k) * Vd;
       for (int64_t j = 0; j < Vd; ++j)
         logits[j] = bf16(static_cast<float>(row[j]) + static_cast<float>(bp[rr * Vd + j]));
-      const int64_t index = argmax_row(logits.data(), Vd);
+      int64_t index;
+      if (sampled)
+        sample_position(logits.data(), Vd, static_cast<float>(temperature), uc.data_ptr<double>()[rr * g + k],
+                        probs.data_ptr<float>() + (rr * g + k) * Vd, &index);
+      else
+        index = argmax_row(logits.data(), Vd);
       const int64_t token = subset ? ids.data_ptr<int64_t>()[index] : index;
       tp[rr * g + k] = token;
       if (k + 1 < g) pp[rr * g + k + 1] = token;
@@ -787,10 +854,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
       zp[i] = bf16(sum + bias);
     }
   }
-  return {tokens, prevs, z};
+  return {tokens, prevs, z, probs};
 }
 
-// 8. dspark_round_bf16: a DSpark drafting round at temperature 0 in one call (drafters/dspark.py:
+std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_draft_bf16(
+    const at::Tensor& base, const at::Tensor& anchors, const at::Tensor& w1, const at::Tensor& w2_packed,
+    const at::Tensor& vocab_ids, const at::Tensor& h, const at::Tensor& conf_weight, const at::Tensor& conf_bias) {
+  const auto out = markov_head(base, anchors, w1, w2_packed, vocab_ids, h, conf_weight, conf_bias,
+                               at::empty({0}, base.options().dtype(at::kDouble)), 0.0);
+  return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
+}
+
+// 8. dspark_round_bf16: a DSpark drafting round (greedy, or sampled at top_p = 1) in one call (drafters/dspark.py:
 // draft_round = append_context, then draft_block, on their kernel routes), without the Python between
 // those kernels (route checks, rope, masks, views: ~40 torch calls): 3.17 -> 2.32 ms a round after a
 // target step on the 2-core EPYC, 0.1-0.3 ms a round in decoding (docs/performance.md "Session 14").
@@ -804,7 +879,7 @@ std::pair<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& inv_freq, const
   return {angles.cos().to(at::kBFloat16).unsqueeze(2), angles.sin().to(at::kBFloat16).unsqueeze(2)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dspark_round_bf16(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dspark_round_bf16(
     const at::Tensor& features, const at::Tensor& counts, at::Tensor ctx_len, const at::Tensor& fc,
     const at::Tensor& hidden_norm, at::TensorList kv, const at::Tensor& anchors, const at::Tensor& embed,
     const at::Tensor& mask_embedding, at::TensorList input_norms, at::TensorList qkv, at::TensorList o,
@@ -812,7 +887,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dspark_round_bf16(
     at::TensorList v_caches, const at::Tensor& inv_freq, const at::Tensor& norm, const at::Tensor& head,
     int64_t head_rows, const at::Tensor& markov_w1, const at::Tensor& markov_w2, const at::Tensor& vocab_ids,
     const at::Tensor& conf_weight, const at::Tensor& conf_bias, double eps, int64_t nh, int64_t nkv, int64_t hd,
-    int64_t intermediate, int64_t block, int64_t max_ctx) {
+    int64_t intermediate, int64_t block, int64_t max_ctx, const at::Tensor& uniforms, double temperature) {
   TORCH_CHECK(anchors.dim() == 1 && ctx_len.scalar_type() == at::kLong && ctx_len.size(0) >= anchors.size(0) && block >= 1,
               "dspark_round_bf16: anchors [b], ctx_len [>= b] int64");
   const int64_t b = anchors.size(0), d = embed.size(1);
@@ -845,8 +920,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dspark_round_bf16(
                                                          v_caches, cs.first, cs.second, slots, visible, eps, nh, nkv,
                                                          hd, intermediate, {}));
   const at::Tensor h = rms_norm_bf16(out, norm, eps);
-  return markov_draft_bf16(linear_rows(h, head, head_rows), anchors, markov_w1, markov_w2, vocab_ids, h, conf_weight,
-                           conf_bias);
+  return markov_head(linear_rows(h, head, head_rows), anchors, markov_w1, markov_w2, vocab_ids, h, conf_weight,
+                     conf_bias, uniforms, temperature);
 }
 }  // namespace
 
@@ -870,7 +945,8 @@ TORCH_LIBRARY(specbench_cpu, m) {
         "Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(b!)[] k_caches, "
         "Tensor(c!)[] v_caches, Tensor inv_freq, Tensor norm, Tensor head, int head_rows, Tensor markov_w1, "
         "Tensor markov_w2, Tensor vocab_ids, Tensor conf_weight, Tensor conf_bias, float eps, int nh, int nkv, "
-        "int hd, int intermediate, int block, int max_ctx) -> (Tensor, Tensor, Tensor)");
+        "int hd, int intermediate, int block, int max_ctx, Tensor uniforms, float temperature) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("gemv_bf16", gemv_bf16);

@@ -278,16 +278,23 @@ def dspark_round(features: Tensor | None, counts: Tensor | None, ctx_len: Tensor
                  k_caches: list[Tensor], v_caches: list[Tensor], inv_freq: Tensor, norm: Tensor, head: Tensor,
                  head_rows: int, markov_w1: Tensor, markov_w2: Tensor, vocab_ids: Tensor, conf_weight: Tensor,
                  conf_bias: Tensor, eps: float, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
-                 block: int, max_ctx: int) -> tuple[Tensor, Tensor, Tensor]:
-    """A greedy DSpark drafting round in one call (cpu_kernels.cpp: dspark_round_bf16): the context
+                 block: int, max_ctx: int, uniforms: Tensor | None = None, temperature: float = 0.0
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """A DSpark drafting round in one call (cpu_kernels.cpp: dspark_round_bf16): the context
     append of `features` [b, n, m·d] (first counts[r] entries of row r; None: nothing to append) with
     the fc / hidden_norm / per-layer k|v GEMV packs, advancing ctx_len in place; then the block pass over
     the draft layers (`layers`: decoder_layers' six per-layer lists), the final norm, the draft head's
-    GEMV pack (head_rows outputs), the Markov head and the confidence head. Returns (tokens [b, γ],
-    previous tokens [b, γ], confidence logits [b, γ] bf16): draft_block's, with its bits."""
+    GEMV pack (head_rows outputs), the Markov head and the confidence head. Greedy (no `uniforms`):
+    returns (tokens [b, γ], previous tokens [b, γ], confidence logits [b, γ] bf16, None), draft_block's
+    with its bits. Sampled (`uniforms` [b, γ] float64 in [0, 1), `temperature` > 0, top_p = 1): each
+    token is drawn by inverting its position's softmax(logits / T) at its uniform, and the fourth
+    result is those distributions, [b, γ, Vd] float32 over the draft vocabulary, exactly the ones the
+    tokens came from (computed in the kernel, so equal to draft_block's up to fp32 rounding)."""
     none = torch.empty(0, dtype=torch.bfloat16)
-    return torch.ops.specbench_cpu.dspark_round_bf16(
+    tokens, prevs, z, probs = torch.ops.specbench_cpu.dspark_round_bf16(
         features if features is not None else none, counts if counts is not None else torch.empty(0, dtype=torch.long),
         ctx_len, fc if fc is not None else none, hidden_norm if hidden_norm is not None else none, kv, anchors, embed,
         mask_embedding, *layers, k_caches, v_caches, inv_freq, norm, head, head_rows, markov_w1, markov_w2, vocab_ids,
-        conf_weight.reshape(-1), conf_bias, eps, n_heads, n_kv_heads, head_dim, intermediate, block, max_ctx)
+        conf_weight.reshape(-1), conf_bias, eps, n_heads, n_kv_heads, head_dim, intermediate, block, max_ctx,
+        uniforms if uniforms is not None else torch.empty(0, dtype=torch.float64), float(temperature))
+    return tokens, prevs, z, (probs if uniforms is not None else None)
