@@ -651,9 +651,9 @@ class DSparkDrafter(nn.Module):
         and returns, so the drafts are exact draws from the returned probs (equal to draft_block's up to
         fp32 rounding); this is where the one call pays most (docs/performance.md "Session 22")."""
         b = anchor_tokens.shape[0]
-        # Sampled rounds take the kernel at top_p = 1 (its sampler has no nucleus filter).
-        kernel_sampling = temperature <= 0 or top_p >= 1.0
-        fused = self._round_kernel_args(features, b) if kernel_sampling and FUSED_ROUND else None
+        # Sampled rounds take the kernel only at top_p = 1 (its sampler has no nucleus filter).
+        kernel_samples = temperature <= 0 or top_p >= 1.0
+        fused = self._round_kernel_args(features, b) if kernel_samples and FUSED_ROUND else None
         if fused is None:
             if features is not None:
                 self.append_context(features, counts=counts)

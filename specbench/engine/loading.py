@@ -81,8 +81,7 @@ ALIASES = {
 }
 
 
-def default_cache_dir() -> Path:
-    return resources.cache_dir()
+default_cache_dir = resources.cache_dir  # the one cache-folder rule; callers here name it so
 
 
 # ---------------------------------------------------------------------------------------------
