@@ -30,6 +30,17 @@ def _built():
         pytest.fail("the bf16 CPU kernels did not build (see test_the_kernels_build_on_this_cpu)")
 
 
+def _record_one_call_forwards(monkeypatch) -> list[tuple[int, int]]:
+    """Transformer.forward's one-call routes in bf16 (cpu_kernels.decoder_forward: the whole forward;
+    cpu_kernels.decoder_layers: the layers alone, where the final norm is off the kernels) patched to
+    record each call's (rows, tokens a row); returns that list."""
+    calls = []
+    forward, layers = cpu_kernels.decoder_forward, cpu_kernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels, "decoder_forward", lambda *a: calls.append(tuple(a[0].shape[:2])) or forward(*a))
+    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(tuple(a[0].shape[:2])) or layers(*a))
+    return calls
+
+
 def _relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
     return float((y.float() - exact).abs().max() / exact.abs().max())
 
@@ -100,10 +111,9 @@ def test_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(dim, monkeypa
     """At b = 1 a forward over q tokens and q forwards of one token give identical logits in bf16:
     the property that keeps a greedy speculative policy token-identical to AR in bf16 at b = 1."""
     model = tiny_model(vocab=96, dim=dim, layers=2, dtype=torch.bfloat16)
-    calls = []
-    attend, layers = cpu_kernels.attend, cpu_kernels.decoder_layers
+    calls = _record_one_call_forwards(monkeypatch)
+    attend = cpu_kernels.attend
     monkeypatch.setattr(cpu_kernels, "attend", lambda *a: calls.append(a[0].shape) or attend(*a))
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape) or layers(*a))
     prefix = torch.randint(0, 96, (1, 11))
     new = torch.randint(0, 96, (1, cpu_kernels.MAX_ROWS_AVX512))
 
@@ -126,9 +136,7 @@ def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(mon
     (1 920 rows: EAGLE trees at load), compute each row as the AR steps of the same rows do: decode and
     verify forwards take the kernels at any number of rows."""
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
-    calls = []
-    layers = cpu_kernels.decoder_layers
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape) or layers(*a))
+    calls = _record_one_call_forwards(monkeypatch)
     b, q = 16, 5
     prefix = torch.randint(0, 96, (b, 6))
     new = torch.randint(0, 96, (b, q))
@@ -144,7 +152,7 @@ def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(mon
         prefilled()
         steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], lengths + i)[0] for i in range(q)], dim=1)
     assert torch.equal(together, steps)
-    assert (b, q, 256) in calls
+    assert (b, q) in calls
     b, q = 48, 40
     prefix, new = torch.randint(0, 96, (b, 3)), torch.randint(0, 96, (b, q))
     lengths = torch.full((b,), 3, dtype=torch.long)
@@ -155,7 +163,7 @@ def test_a_batched_verify_forward_gives_the_bits_of_the_ar_steps_it_replaces(mon
         model.setup_cache(b, 48)
         forward_new_tokens(model, prefix, torch.zeros(b, dtype=torch.long))
         steps = torch.cat([forward_new_tokens(model, new[:, i:i + 1], lengths + i)[0] for i in range(q)], dim=1)
-    assert torch.equal(together, steps) and (b, q, 256) in calls
+    assert torch.equal(together, steps) and (b, q) in calls
 
 
 @pytest.mark.parametrize("nh,nkv,q,hd,kv_len", [(9, 3, 1, 64, 320), (9, 3, 4, 64, 260), (9, 3, 8, 64, 77),
@@ -214,16 +222,14 @@ def test_a_tree_verify_takes_the_kernels_and_stays_token_identical_to_ar(branchi
     from tests.tree_policy import TreeDraft
 
     target = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
-    calls = []
-    layers = cpu_kernels.decoder_layers
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape[1]) or layers(*a))
+    calls = _record_one_call_forwards(monkeypatch)
     prompts = random_prompts(6, 96, seed=7)
     config = SamplingConfig(max_new_tokens=16)
     reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
     policy = TreeDraft(copy.deepcopy(target), branching=branching)
     out = [generate(target, policy, [p], config).requests[0] for p in prompts]
     assert [r.output_ids for r in out] == reference
-    assert max(calls) == 1 + policy.max_draft <= cpu_kernels.MAX_ATTEND_TOKENS
+    assert max(q for _, q in calls) == 1 + policy.max_draft <= cpu_kernels.MAX_ATTEND_TOKENS
     assert sum(r.tau for r in out) / len(out) > 2  # paths were accepted below the first level
 
 
@@ -299,9 +305,7 @@ def test_all_layers_in_one_call_give_the_bits_of_the_per_module_path(b, q, monke
     prefix = torch.randint(0, 96, (b, 9))
     new = torch.randint(0, 96, (b, q))
     lengths = torch.tensor([9 - (r % 3) for r in range(b)])  # ragged rows
-    calls = []
-    layers = cpu_kernels.decoder_layers
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(a[0].shape) or layers(*a))
+    calls = _record_one_call_forwards(monkeypatch)
 
     def run(fused: bool):
         monkeypatch.setattr(model_module, "FUSED_LAYERS", fused)
@@ -331,9 +335,7 @@ def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(m
     """A prefill, fp32 (cpu_f32's one call, not this one), or one layer's stale pack: not this call; a
     decode step at any number of rows takes it."""
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
-    calls = []
-    layers = cpu_kernels.decoder_layers
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(1) or layers(*a))
+    calls = _record_one_call_forwards(monkeypatch)
     with torch.inference_mode():
         model.setup_cache(1, 128)
         # a prefill: more tokens a row than a decode or verify forward has
@@ -412,9 +414,7 @@ def test_the_one_call_stack_is_rebuilt_when_anything_it_read_changes(monkeypatch
     from specbench.engine import model as model_module
 
     model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
-    calls = []
-    layers = cpu_kernels.decoder_layers
-    monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(1) or layers(*a))
+    calls = _record_one_call_forwards(monkeypatch)
     step = lambda: forward_new_tokens(model, torch.tensor([[5]]), torch.tensor([3]))  # noqa: E731
     with torch.inference_mode():
         model.setup_cache(1, 16)
@@ -687,3 +687,68 @@ def test_dspark_sampling_with_the_one_call_round_matches_the_target(monkeypatch)
     assert 0 < sum(r.accepted for r in requests) < sum(r.drafted for r in requests)
     pvalue, tv = chi_square(exact, counts)
     assert pvalue > 1e-3, f"DSpark with the one-call sampled round differs from the target (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+def test_a_pinned_stack_skips_its_checks_and_still_sees_new_caches_and_stale_packs_at_entry(monkeypatch):
+    """Transformer.kernel_stack_pinned (core.generate, timing.time_forward): inside the block the one-call
+    outcome is reused without its snapshot check; a stale outcome is dropped on entry (a stale pack then
+    takes the per-module path), and setup_cache inside the block drops it too (new caches are written)."""
+    from specbench.engine import model as model_module
+
+    model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
+    calls = _record_one_call_forwards(monkeypatch)
+    checks = []
+    holds = model_module.Snapshot.holds
+    monkeypatch.setattr(model_module.Snapshot, "holds", lambda self: checks.append(1) or holds(self))
+    step = lambda: forward_new_tokens(model, torch.tensor([[5]]), torch.tensor([3]))  # noqa: E731
+    with torch.inference_mode():
+        model.setup_cache(1, 16)
+        with model.kernel_stack_pinned():
+            step()
+            step()
+        assert len(calls) == 2 and checks == []  # built once, then trusted
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.0)  # stale pack
+    with torch.inference_mode(), model.kernel_stack_pinned():
+        assert len(checks) == 1  # the entry check
+        step()
+        assert len(calls) == 2  # the per-module path
+    model.pack_weights()
+    with torch.inference_mode(), model.kernel_stack_pinned():
+        step()
+        model.setup_cache(2, 32)  # new caches inside the block
+        fused = step()
+        cache = model.model.layers[1].self_attn.k_cache[0, :, 3].clone()
+        assert len(calls) == 4 and cache.abs().sum() > 0
+        monkeypatch.setattr(model_module, "FUSED_LAYERS", False)
+        model.model.layers[1].self_attn.k_cache.zero_()
+        reference = step()
+    assert torch.equal(fused[0], reference[0]) and torch.equal(cache, model.model.layers[1].self_attn.k_cache[0, :, 3])
+
+
+@pytest.mark.parametrize("case", ["no logits", "stale head pack"])
+def test_the_one_call_forward_without_its_head_gives_the_per_module_bits(case, monkeypatch):
+    """logits=False skips the LM head (None, the same hidden state); a stale LM-head pack leaves the
+    head to the module (F.linear's route), still bit for bit the per-module path's."""
+    from specbench.engine import model as model_module
+
+    model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
+    if case == "stale head pack":
+        with torch.no_grad():
+            model.lm_head.weight.mul_(0.5)
+    calls = _record_one_call_forwards(monkeypatch)
+    tokens, lengths = torch.randint(0, 96, (2, 3)), torch.tensor([4, 6])
+
+    def run(fused: bool):
+        monkeypatch.setattr(model_module, "FUSED_LAYERS", fused)
+        with torch.inference_mode():
+            model.setup_cache(2, 32)
+            return forward_new_tokens(model, tokens, lengths, taps=(1,), logits=case != "no logits")
+
+    (logits, taps, hidden), reference = run(True), run(False)
+    assert calls == [(2, 3)]
+    assert torch.equal(taps, reference[1]) and torch.equal(hidden, reference[2])
+    if case == "no logits":
+        assert logits is None
+    else:
+        assert torch.equal(logits, reference[0])

@@ -285,3 +285,43 @@ def test_kernels_build_from_a_copy_named_by_their_code(tmp_path, monkeypatch):
     other, other_digest = kernel_source(second, ["-O3"])
     assert other_digest != digest and other.read_text() == second.read_text()
     assert copy.read_text() == first.read_text()  # the first build's copy is left as it was
+
+
+# --------------------------------------------------------------------------- rope tables and chain masks
+
+
+@pytest.mark.parametrize("theta, head_dim, scaling", [
+    (100000.0, 64, None),  # the default model's
+    (500000.0, 128, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}),  # Llama-3.1-8B's
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_tables_hold_what_rope_cos_sin_gives_each_position(theta, head_dim, scaling, dtype):
+    """The one-call forward looks rope's cos / sin up in tables of every cache position: each row
+    must be bit for bit what rope_cos_sin computes for that position inside any [b, q] block (a
+    prefill, a decode step, a verify block), or a token's K would depend on which path wrote it."""
+    from specbench.engine.model import ModelArgs, Transformer, rope_cos_sin
+
+    args = ModelArgs(vocab_size=16, dim=4 * head_dim, n_layers=1, n_heads=4, n_kv_heads=2, intermediate_size=32,
+                     head_dim=head_dim, rope_theta=theta, rope_scaling=scaling)
+    model = Transformer(args)
+    model.setup_cache(1, 4096)
+    cos_table, sin_table = model.rope_tables(dtype)
+    assert cos_table.shape == sin_table.shape == (4096, head_dim) and cos_table.dtype == dtype
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 1), (1, 8), (16, 1), (16, 8), (3, 17), (1, 300), (2, 1000)]:
+        positions = torch.randint(0, 4096, shape, generator=g)
+        cos, sin = rope_cos_sin(model.inv_freq, positions, dtype)
+        assert torch.equal(cos_table[positions], cos[:, :, 0]) and torch.equal(sin_table[positions], sin[:, :, 0])
+    assert model.rope_tables(dtype)[0] is cos_table  # kept while the cache size and dtype stay
+    model.setup_cache(1, 8192)
+    assert model.rope_tables(dtype)[0].shape[0] == 8192
+
+
+def test_a_chain_mask_from_given_positions_is_the_one_it_would_compute():
+    from specbench.engine.core import chain_mask
+
+    lengths = torch.tensor([3, 0, 7])
+    positions = lengths[:, None] + torch.arange(4)[None]
+    assert torch.equal(chain_mask(lengths, 4, 16, positions), chain_mask(lengths, 4, 16))
+    assert chain_mask(lengths, 4, 16)[0, 1].tolist() == [True] * 5 + [False] * 11

@@ -10,6 +10,8 @@ next round overwrites those cache slots.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -80,13 +82,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def chain_mask(cache_lengths: Tensor, q: int, kv_len: int) -> Tensor:
+def chain_mask(cache_lengths: Tensor, q: int, kv_len: int, positions: Tensor | None = None) -> Tensor:
     """[b, q, kv_len] bool: query i of row r sees every committed slot and the new slots up to its
-    own (slot cache_lengths[r] + i). Padding queries past a row's verify length see only real
-    tokens and themselves, so they produce finite garbage that nothing reads."""
+    own (slot cache_lengths[r] + i; `positions` where the caller has them already). Padding queries
+    past a row's verify length see only real tokens and themselves, so they produce finite garbage
+    that nothing reads."""
     device = cache_lengths.device
-    last_visible = cache_lengths[:, None] + torch.arange(q, device=device)[None]  # [b, q]
-    return torch.arange(kv_len, device=device)[None, None] <= last_visible[..., None]
+    last_visible = cache_lengths[:, None] + torch.arange(q, device=device)[None] if positions is None else positions
+    return _slot_indices(kv_len, device)[None, None] <= last_visible[..., None]
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_indices(kv_len: int, device: torch.device) -> Tensor:
+    """arange(kv_len), kept: a decode step is a few such small torch calls, and on a cold cache (after a
+    step's weight reads) each costs tens of microseconds (docs/performance.md "Session 23")."""
+    with torch.inference_mode(False):
+        return torch.arange(kv_len, device=device)
 
 
 def graphed_for(model: Transformer, q: int):
@@ -107,7 +118,7 @@ def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor
     if graphed is not None:  # static shapes: attend over the whole cache, the mask hides the rest
         return graphed(tokens, positions, positions, chain_mask(cache_lengths, q, model.max_seq), taps=taps)
     kv_len = round_to_bucket(int(cache_lengths.max()) + q, model.max_seq)
-    return model(tokens, positions, positions, chain_mask(cache_lengths, q, kv_len), taps=taps, logits=logits)
+    return model(tokens, positions, positions, chain_mask(cache_lengths, q, kv_len, positions), taps=taps, logits=logits)
 
 
 @torch.inference_mode()
@@ -119,6 +130,13 @@ def generate(
     eos_ids: tuple[int, ...] | list[int] = (),
 ) -> BatchResult:
     """Decode a batch of prompts with `policy` until each row hits EOS or max_new_tokens."""
+    pinned = getattr(target, "kernel_stack_pinned", None)  # nothing changes the target's weights while decoding
+    with pinned() if pinned is not None else contextlib.nullcontext():
+        return _generate(target, policy, prompts, config, eos_ids)
+
+
+def _generate(target: Transformer, policy: Policy, prompts: list[list[int]], config: SamplingConfig,
+              eos_ids: tuple[int, ...] | list[int]) -> BatchResult:
     device = target.device
     b = len(prompts)
     max_new = config.max_new_tokens

@@ -35,9 +35,9 @@
 //
 // 3. attend_bf16: attention of a few new queries per row over the cache, in place of SDPA for
 // decode and verify forwards; 4. silu_mul_bf16: the MLP's silu(gate) · up; 5. decoder_layers_bf16:
-// every layer in one call; 6. argmax_bf16: greedy ids; 7. markov_draft_bf16: DSpark's greedy Markov
-// head; 8. dspark_round_bf16: a whole greedy DSpark drafting round (all below, before the operator
-// registrations).
+// every layer in one call, and decoder_forward_bf16 a whole decode or verify forward; 6. argmax_bf16:
+// greedy ids; 7. markov_draft_bf16: DSpark's greedy Markov head; 8. dspark_round_bf16: a whole greedy
+// DSpark drafting round (all below, before the operator registrations).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -648,6 +648,37 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bf16(
   return {x, tapped};
 }
 
+// 5b. decoder_forward_bf16: a whole decode or verify forward in one call: the token embeddings, rope's
+// cos / sin looked up in tables of every position (model.py: Transformer.rope_tables, the values
+// rope_cos_sin gives position by position), every layer (decoder_layers_bf16), the final norm and, where
+// `head` is given, the LM head. Each step is the op model.py's modules call for it, in the same order,
+// so the bits are theirs; what goes is the ~0.5 ms of Python and torch calls around the layers, which
+// on a cold cache (a step follows 270 MB of weight reads) cost ~5% of a b = 1 step on the 2-core EPYC
+// (docs/performance.md "Session 23").
+std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor> decoder_forward_bf16(
+    const at::Tensor& tokens, const at::Tensor& embed, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& positions, at::TensorList input_norms, at::TensorList qkv, at::TensorList o,
+    at::TensorList post_norms, at::TensorList gate_up, at::TensorList down, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& mask, const at::Tensor& norm,
+    const at::Tensor& head, int64_t head_rows, double eps, int64_t nh, int64_t nkv, int64_t hd, int64_t intermediate,
+    at::IntArrayRef taps) {
+  TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(), "decoder_forward_bf16: tokens and positions [b, q]");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == hd && sin_table.sizes() == cos_table.sizes(),
+              "decoder_forward_bf16: rope tables [positions, hd]");
+  const int64_t b = tokens.size(0), q = tokens.size(1), n_pos = cos_table.size(0);
+  const at::Tensor flat_positions = positions.reshape({-1});
+  TORCH_CHECK(b * q == 0 || (flat_positions.min().item<int64_t>() >= 0 && flat_positions.max().item<int64_t>() < n_pos),
+              "decoder_forward_bf16: a position beyond the rope tables (", n_pos, " positions)");
+  at::Tensor x = embed.index_select(0, tokens.reshape({-1})).view({b, q, embed.size(1)});
+  const at::Tensor cos = cos_table.index_select(0, flat_positions).view({b, q, 1, hd});
+  const at::Tensor sin = sin_table.index_select(0, flat_positions).view({b, q, 1, hd});
+  auto [last, tapped] = decoder_layers_bf16(x, input_norms, qkv, o, post_norms, gate_up, down, k_caches, v_caches, cos,
+                                            sin, slots, mask, eps, nh, nkv, hd, intermediate, taps);
+  at::Tensor hidden = rms_norm_bf16(last, norm, eps);
+  at::Tensor logits = head.numel() ? linear_rows(hidden, head, head_rows) : at::empty({0}, hidden.options());
+  return {logits, tapped, hidden};
+}
+
 // 6. argmax_bf16: the index of each row's largest value, the first one on ties, NaN counting as the
 // largest (the first NaN): what torch's max(dim=-1).indices gives (sampling.py: greedy_ids), without
 // its ~0.3 ms per 49 152-entry bf16 row on the 2-core Xeon (AMX; docs/performance.md "Session 12").
@@ -940,6 +971,10 @@ TORCH_LIBRARY(specbench_cpu, m) {
   m.def("decoder_layers_bf16(Tensor x, Tensor[] input_norms, Tensor[] qkv, Tensor[] o, Tensor[] post_norms, "
         "Tensor[] gate_up, Tensor[] down, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
         "Tensor slots, Tensor mask, float eps, int nh, int nkv, int hd, int intermediate, int[] taps) -> (Tensor, Tensor[])");
+  m.def("decoder_forward_bf16(Tensor tokens, Tensor embed, Tensor cos_table, Tensor sin_table, Tensor positions, "
+        "Tensor[] input_norms, Tensor[] qkv, Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor mask, Tensor norm, Tensor head, "
+        "int head_rows, float eps, int nh, int nkv, int hd, int intermediate, int[] taps) -> (Tensor, Tensor[], Tensor)");
   m.def("dspark_round_bf16(Tensor features, Tensor counts, Tensor(a!) ctx_len, Tensor fc, Tensor hidden_norm, "
         "Tensor[] kv, Tensor anchors, Tensor embed, Tensor mask_embedding, Tensor[] input_norms, Tensor[] qkv, "
         "Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, Tensor(b!)[] k_caches, "
@@ -958,5 +993,6 @@ TORCH_LIBRARY_IMPL(specbench_cpu, CPU, m) {
   m.impl("argmax_bf16", argmax_bf16);
   m.impl("markov_draft_bf16", markov_draft_bf16);
   m.impl("decoder_layers_bf16", decoder_layers_bf16);
+  m.impl("decoder_forward_bf16", decoder_forward_bf16);
   m.impl("dspark_round_bf16", dspark_round_bf16);
 }

@@ -248,6 +248,22 @@ def decoder_layers(x: Tensor, input_norms, qkv, o, post_norms, gate_up, down, k_
                                                        head_dim, intermediate, taps)
 
 
+
+def decoder_forward(tokens: Tensor, embed: Tensor, cos_table: Tensor, sin_table: Tensor, positions: Tensor,
+                    layers: tuple[list[Tensor], ...], slots: Tensor, mask: Tensor, norm: Tensor, head: Tensor | None,
+                    head_rows: int, eps: float, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
+                    taps: list[int]) -> tuple[Tensor | None, list[Tensor], Tensor]:
+    """A whole decode or verify forward in one call (cpu_kernels.cpp: decoder_forward_bf16): the
+    embeddings of `tokens` [b, q], rope's cos / sin rows at `positions` from the tables [S, hd],
+    `decoder_layers` over `layers` (its eight per-layer lists), the final norm and, with a `head`
+    (the LM head's GEMV pack, head_rows outputs), the logits. Returns (logits or None, the outputs of
+    the layers in `taps`, the final normed hidden state): model.Transformer.forward's, bit for bit."""
+    logits, tapped, hidden = torch.ops.specbench_cpu.decoder_forward_bf16(
+        tokens, embed, cos_table, sin_table, positions, *layers, slots, mask, norm,
+        head if head is not None else torch.empty(0, dtype=torch.bfloat16), head_rows, eps, n_heads, n_kv_heads,
+        head_dim, intermediate, taps)
+    return (logits if head is not None else None), tapped, hidden
+
 def argmax(x: Tensor) -> Tensor:
     """[..., V] bf16 → [...] int64: the first maximum's index, NaN counting as the maximum (the first
     NaN), as x.max(-1).indices gives (sampling.greedy_ids)."""

@@ -10,6 +10,7 @@ loads with `load_state_dict` as it is.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -477,6 +478,8 @@ class Transformer(nn.Module):
         self.max_batch = 0
         self.max_seq = 0
         self._stack_cache = None  # _kernel_stack's last outcome and what it read
+        self._stack_pinned = False  # kernel_stack_pinned: that outcome trusted without its checks
+        self._rope_tables = None  # rope_tables' last tables and what they were made for
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.pack_weights()
 
@@ -508,10 +511,38 @@ class Transformer(nn.Module):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         self.pack_weights()
+        self._stack_cache = None
         return out
 
     def __getstate__(self):  # copies and pickles rebuild the kernel stack (its snapshot names this object's dicts)
-        return {**super().__getstate__(), "_stack_cache": None}
+        return {**super().__getstate__(), "_stack_cache": None, "_stack_pinned": False, "_rope_tables": None}
+
+    @contextlib.contextmanager
+    def kernel_stack_pinned(self):
+        """Within this block, `_kernel_stack` reuses its last outcome without checking the ~750 slots
+        it read (its snapshot): the decode loop (core.generate) changes no weight between its forwards,
+        and on a cold cache, where a step starts after 270 MB of weight reads, that check cost ~0.3 ms
+        of a ~10 ms b = 1 step (docs/performance.md "Session 23"). Checked once on entry; setup_cache
+        and a .to() drop the outcome, so new caches or weights are picked up inside the block too."""
+        if self._stack_cache is not None and not self._stack_cache[0].holds():
+            self._stack_cache = None
+        was, self._stack_pinned = self._stack_pinned, True
+        try:
+            yield self
+        finally:
+            self._stack_pinned = was
+
+    def rope_tables(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """rope's cos and sin [max_seq, head_dim] for every cache position, rope_cos_sin's values row
+        by row (elementwise ops: a position's row does not depend on the others; tests/test_cpu_kernels.py
+        checks it), for the one-call forward to look up instead of computing them per forward."""
+        key = (self.max_seq, dtype, self.inv_freq.device, self.inv_freq.data_ptr())
+        if self._rope_tables is None or self._rope_tables[0] != key:
+            with torch.inference_mode(False):
+                positions = torch.arange(self.max_seq, device=self.inv_freq.device)[None]
+                cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
+                self._rope_tables = (key, cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous())
+        return self._rope_tables[1], self._rope_tables[2]
 
     @property
     def device(self) -> torch.device:
@@ -522,6 +553,7 @@ class Transformer(nn.Module):
         dtype = dtype or self.lm_head.weight.dtype
         if max_batch <= self.max_batch and max_seq <= self.max_seq:
             return
+        self._stack_cache = None  # it holds the caches being replaced
         a = self.args
         shape = (max_batch, a.n_kv_heads, max_seq, a.head_dim)
         # Normal tensors (not inference tensors), so the cache works inside and outside inference_mode.
@@ -540,8 +572,8 @@ class Transformer(nn.Module):
             for cache in (attn.k_cache, attn.v_cache):
                 cache[rows, :, dst_slots] = cache[rows, :, src_slots]
 
-    def _kernel_stack(self, x: Tensor, mask: Tensor) -> tuple[list[Tensor], ...] | None:
-        """The per-layer tensors of cpu_kernels.decoder_layers, or None unless every layer would
+    def _kernel_stack(self, x: Tensor, b: int, q: int, mask: Tensor) -> tuple[tuple[list[Tensor], ...], tuple | None] | None:
+        """(The per-layer tensors of cpu_kernels.decoder_layers, `_kernel_tail`), or None unless every layer would
         take the kernel route at every op in DecoderLayer.forward (the same checks, so both paths
         compute the same bits): bf16 on a CPU, no gradient, packs fresh, no biases or q/k norms,
         few enough rows for the GEMV and tokens for the attention kernel. Or, for an fp32 decode or
@@ -551,20 +583,36 @@ class Transformer(nn.Module):
 
         The per-layer checks (~30 layers × a dozen tensors) cost a good part of a millisecond of
         Python per forward, so their outcome is kept with a snapshot of everything it read (see
-        `_stack_snapshot`) and reused while the snapshot holds."""
-        b, q, _ = x.shape
-        f32 = cpu_f32.decoder_layers_apply(self.args, x, mask)
-        if not f32 and (mask.dtype != torch.bool or not cpu_kernels.applies(x)
-                        or not cpu_kernels.decoder_layers_apply(self.args, b * q, q)):
+        `_stack_snapshot`) and reused while the snapshot holds (within `kernel_stack_pinned`, without
+        checking it). x: the forward's input [b, q, dim] in fp32; in bf16 the embedding table, which the
+        one-call forward reads in its place (same dtype, device and gradient flag)."""
+        if x.dtype == torch.float32:
+            if not cpu_f32.decoder_layers_apply(self.args, x, mask):
+                return None
+        elif (mask.dtype != torch.bool or not cpu_kernels.applies(x)
+              or not cpu_kernels.decoder_layers_apply(self.args, b * q, q)):
             return None
         if torch.is_grad_enabled():  # requires_grad flags are not in the snapshot: check afresh
-            return self._build_kernel_stack()
-        cached = getattr(self, "_stack_cache", None)
-        if cached is not None and cached[0].holds():
+            lists = self._build_kernel_stack()
+            return None if lists is None else (lists, self._kernel_tail())
+        cached = self._stack_cache
+        if cached is not None and (self._stack_pinned or cached[0].holds()):
             return cached[1]
         lists = self._build_kernel_stack()
-        self._stack_cache = (self._stack_snapshot(), lists)
-        return lists
+        outcome = None if lists is None else (lists, self._kernel_tail())
+        self._stack_cache = (self._stack_snapshot(), outcome)
+        return outcome
+
+    def _kernel_tail(self) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """What cpu_kernels.decoder_forward reads besides the layers, or None where it does not apply
+        (fp32, or a final norm off the kernel route): (the embedding table, the final norm's weight,
+        the LM head's GEMV pack, None when stale or absent: the head then runs as a module)."""
+        embed, norm = self.model.embed_tokens.weight, self.model.norm.weight
+        if embed.dtype != torch.bfloat16 or not cpu_kernels.applies(embed, norm) or not norm.is_contiguous():
+            return None
+        head = fresh_pack(self.lm_head.weight, self.lm_head.gemm_pack)
+        usable = head is not None and head.gemv is not None and self.lm_head.bias is None
+        return embed, norm, (head.gemv if usable else None)
 
     def _build_kernel_stack(self) -> tuple[list[Tensor], ...] | None:
         if self.lm_head.weight.dtype == torch.float32:
@@ -622,6 +670,9 @@ class Transformer(nn.Module):
             for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
                            mlp.down_proj, layer.input_layernorm, layer.post_attention_layernorm):
                 slots += [(module._parameters, name, True) for name in module._parameters]
+        slots.append((self.lm_head.__dict__, "gemm_pack", True))  # _kernel_tail's
+        for module in (self.model.embed_tokens, self.model.norm, self.lm_head):
+            slots += [(module._parameters, name, True) for name in module._parameters]
         return Snapshot(slots)
 
     def forward(
@@ -640,20 +691,31 @@ class Transformer(nn.Module):
         taps: decoder layers whose raw outputs to return (EAGLE/DSpark features), concatenated.
         Returns (logits [b, q, V] or None, taps [b, q, len(taps)*dim] or None, final normed hidden).
         """
+        a = self.args
+        tap_list = sorted(t for t in set(taps) if 0 <= t < a.n_layers)
+        embed = self.model.embed_tokens.weight
+        if FUSED_LAYERS and embed.dtype == torch.bfloat16:
+            stack = self._kernel_stack(embed, *tokens.shape, mask)
+            if stack is not None and stack[1] is not None:  # bf16 on a CPU, decode or verify: the forward in one call
+                (_, norm, head), cos_table, sin_table = stack[1], *self.rope_tables(embed.dtype)
+                out, tapped, hidden = cpu_kernels.decoder_forward(
+                    tokens, embed, cos_table, sin_table, positions, stack[0], slots, mask, norm, head if logits else None,
+                    a.vocab_size, a.norm_eps, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, tap_list)
+                if logits and head is None:
+                    out = self.lm_head(hidden)
+                return out, (torch.cat(tapped, dim=-1) if taps else None), hidden
         x = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        a = self.args
-        folded_mask = fold_mask(mask, a.n_heads // a.n_kv_heads) if FOLD_GQA_HEADS else None
         tapped = []
-        stack = self._kernel_stack(x, mask) if FUSED_LAYERS else None
+        stack = self._kernel_stack(x, *tokens.shape, mask) if FUSED_LAYERS else None
         if stack is not None and x.dtype == torch.float32:  # fp32, an AVX2 CPU, decode or verify: one call
-            x, tapped = cpu_f32.decoder_layers(x, *stack, cos, sin, slots, mask, a.norm_eps, a.n_heads, a.n_kv_heads,
-                                               a.head_dim, sorted(t for t in set(taps) if 0 <= t < a.n_layers))
-        elif stack is not None:  # bf16 on a CPU, a decode or verify forward: every layer in one call
-            x, tapped = cpu_kernels.decoder_layers(x, *stack, cos, sin, slots, mask, a.norm_eps, a.n_heads,
-                                                   a.n_kv_heads, a.head_dim, a.intermediate_size,
-                                                   sorted(t for t in set(taps) if 0 <= t < a.n_layers))
+            x, tapped = cpu_f32.decoder_layers(x, *stack[0], cos, sin, slots, mask, a.norm_eps, a.n_heads,
+                                               a.n_kv_heads, a.head_dim, tap_list)
+        elif stack is not None:  # bf16 on a CPU whose one-call forward does not apply: every layer in one call
+            x, tapped = cpu_kernels.decoder_layers(x, *stack[0], cos, sin, slots, mask, a.norm_eps, a.n_heads,
+                                                   a.n_kv_heads, a.head_dim, a.intermediate_size, tap_list)
         else:
+            folded_mask = fold_mask(mask, a.n_heads // a.n_kv_heads) if FOLD_GQA_HEADS else None
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, slots, mask, folded_mask)
                 if i in taps:
