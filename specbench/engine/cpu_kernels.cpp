@@ -15,7 +15,7 @@
 // so one 64-byte load holds a pair of k for 16 features, and VDPBF16PS multiplies it by the same
 // pair of x broadcast to every lane: 16 outputs accumulate side by side in one register, with no
 // horizontal sum. Each thread streams a contiguous run of blocks once for all rows of x (≤ 8 rows
-// share one pass, in registers), prefetching 32 KB ahead into L2 from 5 rows (below).
+// share one pass, in registers), prefetching 32 KB ahead into L2 at 1-2 and 5-8 rows (below).
 //
 // Every output y[m, n] is one fp32 lane summing the pairs of k in increasing order, then rounded
 // to bf16 (round to nearest even). Neither the number of rows of x nor the split over threads
@@ -61,8 +61,12 @@ constexpr int kMaxRows = 8;             // rows of x per pass: 16 accumulators +
 // the most VDPBF16PS work, prefetching into L2 32 KB ahead lets the stream overlap that work. Measured on
 // the 2-core AMD EPYC (Zen 4), the real target's GEMV sequence, 120-200 interleaved repeats against the
 // earlier 8 KB-ahead T0 prefetch at every row count: 1-4 rows 6-7% faster, 8 rows 16% faster
-// (docs/performance.md "Session 13").
+// (docs/performance.md "Session 13"). At 1-2 rows one prefetch per 128-byte step (the even line; the
+// L2's adjacent-line prefetch brings its pair) 32 KB ahead into L2 beat the hardware alone by 2-3% of a
+// whole b = 1 step, on a cold cache in both of the machine's memory phases; at 4 rows it cost 15%
+// (docs/performance.md "Session 23"), so 3-4 rows keep the hardware's stream alone.
 constexpr int kFarPrefetchRows = 5;
+constexpr int kNearPrefetchRows = 2;
 constexpr int64_t kPrefetch = 16384;    // elements (32 KB) ahead, into L2
 
 template <int MT>
@@ -79,6 +83,8 @@ void rows_by_block(const bf16* x, int64_t K, const bf16* block, bf16* y, int64_t
     if (MT >= kFarPrefetchRows && prefetch) {  // never faults, even past the end of the tensor
       _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch + 32), _MM_HINT_T1);
+    } else if (MT <= kNearPrefetchRows && prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T1);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
