@@ -752,3 +752,16 @@ def test_the_one_call_forward_without_its_head_gives_the_per_module_bits(case, m
         assert logits is None
     else:
         assert torch.equal(logits, reference[0])
+
+
+def test_the_one_call_forward_refuses_a_token_or_position_outside_its_tables():
+    """The kernel gathers embedding and rope rows itself: an id past the vocabulary or a cache length
+    whose positions run past the rope tables is a clear error, never a read outside the table."""
+    model = tiny_model(vocab=96, dim=256, layers=2, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        model.setup_cache(1, 64)
+        forward_new_tokens(model, torch.tensor([[5]]), torch.tensor([3]))  # fine
+        with pytest.raises(RuntimeError, match="token 96 is outside"):
+            forward_new_tokens(model, torch.tensor([[96]]), torch.tensor([3]))
+        with pytest.raises(RuntimeError, match="position 64 is outside"):
+            model.chain_in_one_call(torch.tensor([[5, 6]]), torch.tensor([63]))

@@ -113,8 +113,12 @@ def forward_new_tokens(model: Transformer, tokens: Tensor, cache_lengths: Tensor
     cache_lengths[r]); returns the model's (logits, taps, hidden). logits=False may skip the head
     (logits None; a CUDA-graphed forward computes them anyway)."""
     b, q = tokens.shape
-    positions = cache_lengths[:, None] + torch.arange(q, device=tokens.device)[None]
     graphed = graphed_for(model, q)
+    if graphed is None and cache_lengths.dtype == torch.long:  # bf16 on a CPU: positions and mask made in the kernel
+        one_call = model.chain_in_one_call(tokens, cache_lengths, taps, logits)
+        if one_call is not None:
+            return one_call
+    positions = cache_lengths[:, None] + torch.arange(q, device=tokens.device)[None]
     if graphed is not None:  # static shapes: attend over the whole cache, the mask hides the rest
         return graphed(tokens, positions, positions, chain_mask(cache_lengths, q, model.max_seq), taps=taps)
     kv_len = round_to_bucket(int(cache_lengths.max()) + q, model.max_seq)

@@ -654,13 +654,29 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bf16(
   return {x, tapped};
 }
 
+// Rows of `table` [n, width] (bf16) gathered at `index` (int64, checked against n) into a new [index.numel(), width].
+at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index, const char* what) {
+  const int64_t n = table.size(0), width = table.size(1), count = index.numel();
+  const at::Tensor idx = index.contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  at::Tensor out = at::empty({count, width}, table.options());
+  const bf16* tp = table.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "decoder_forward_bf16: ", what, " ", ip[i], " is outside [0, ", n, ")");
+    std::memcpy(op + i * width, tp + ip[i] * width, width * sizeof(bf16));
+  }
+  return out;
+}
+
 // 5b. decoder_forward_bf16: a whole decode or verify forward in one call: the token embeddings, rope's
 // cos / sin looked up in tables of every position (model.py: Transformer.rope_tables, the values
 // rope_cos_sin gives position by position), every layer (decoder_layers_bf16), the final norm and, where
-// `head` is given, the LM head. Each step is the op model.py's modules call for it, in the same order,
-// so the bits are theirs; what goes is the ~0.5 ms of Python and torch calls around the layers, which
-// on a cold cache (a step follows 270 MB of weight reads) cost ~5% of a b = 1 step on the 2-core EPYC
-// (docs/performance.md "Session 23").
+// `head` is given, the LM head; for a chain (no mask given) also the positions, slots and mask that
+// core.forward_new_tokens would make. Each step is the op model.py's modules call for it, in the same
+// order, so the bits are theirs. What goes is the Python and the dozen small torch calls around the
+// layers: on a cold cache (a step follows 270 MB of weight reads) they cost ~0.8 ms of a ~10 ms b = 1
+// step on the 2-core EPYC (docs/performance.md "Session 23").
 std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor> decoder_forward_bf16(
     const at::Tensor& tokens, const at::Tensor& embed, const at::Tensor& cos_table, const at::Tensor& sin_table,
     const at::Tensor& positions, at::TensorList input_norms, at::TensorList qkv, at::TensorList o,
@@ -668,18 +684,42 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, at::Tensor> decoder_forward_bf16
     at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& mask, const at::Tensor& norm,
     const at::Tensor& head, int64_t head_rows, double eps, int64_t nh, int64_t nkv, int64_t hd, int64_t intermediate,
     at::IntArrayRef taps) {
-  TORCH_CHECK(tokens.dim() == 2 && positions.sizes() == tokens.sizes(), "decoder_forward_bf16: tokens and positions [b, q]");
-  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == hd && sin_table.sizes() == cos_table.sizes(),
-              "decoder_forward_bf16: rope tables [positions, hd]");
-  const int64_t b = tokens.size(0), q = tokens.size(1), n_pos = cos_table.size(0);
-  const at::Tensor flat_positions = positions.reshape({-1});
-  TORCH_CHECK(b * q == 0 || (flat_positions.min().item<int64_t>() >= 0 && flat_positions.max().item<int64_t>() < n_pos),
-              "decoder_forward_bf16: a position beyond the rope tables (", n_pos, " positions)");
-  at::Tensor x = embed.index_select(0, tokens.reshape({-1})).view({b, q, embed.size(1)});
-  const at::Tensor cos = cos_table.index_select(0, flat_positions).view({b, q, 1, hd});
-  const at::Tensor sin = sin_table.index_select(0, flat_positions).view({b, q, 1, hd});
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+              "decoder_forward_bf16: int64 tokens [b, q] and positions");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && cos_table.dim() == 2 && cos_table.size(1) == hd &&
+              sin_table.sizes() == cos_table.sizes() && cos_table.is_contiguous() && sin_table.is_contiguous(),
+              "decoder_forward_bf16: contiguous embedding table [V, D] and rope tables [positions, hd]");
+  for (const at::Tensor& t : {embed, cos_table, sin_table}) check_bf16_cpu(t, "decoder_forward_bf16");
+  const int64_t b = tokens.size(0), q = tokens.size(1);
+  at::Tensor pos = positions, slot = slots, visible = mask;
+  if (!mask.defined() || mask.numel() == 0) {
+    // A chain (core.forward_new_tokens): `positions` holds each row's cache length c_r; token i of row r
+    // sits at position and slot c_r + i and sees slots 0 .. c_r + i (core.chain_mask, over the slots up to
+    // the last one any row sees: a row's bits do not depend on slots past its own last visible one).
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == b, "decoder_forward_bf16: a chain takes cache lengths [b]");
+    const at::Tensor lengths = positions.contiguous();
+    const int64_t* lp = lengths.data_ptr<int64_t>();
+    pos = at::empty({b, q}, positions.options());
+    int64_t* pp = pos.data_ptr<int64_t>();
+    int64_t kv_len = 0;
+    for (int64_t r = 0; r < b; ++r)
+      for (int64_t i = 0; i < q; ++i) {
+        pp[r * q + i] = lp[r] + i;
+        kv_len = std::max(kv_len, lp[r] + i + 1);
+      }
+    visible = at::empty({b, q, kv_len}, positions.options().dtype(at::kBool));
+    bool* vp = visible.data_ptr<bool>();
+    for (int64_t r = 0; r < b; ++r)
+      for (int64_t i = 0; i < q; ++i)
+        for (int64_t j = 0; j < kv_len; ++j) vp[(r * q + i) * kv_len + j] = j <= pp[r * q + i];
+    slot = pos;
+  }
+  TORCH_CHECK(pos.sizes() == tokens.sizes(), "decoder_forward_bf16: positions [b, q] like tokens");
+  at::Tensor x = gather_rows(embed, tokens, "token").view({b, q, embed.size(1)});
+  const at::Tensor cos = gather_rows(cos_table, pos, "position").view({b, q, 1, hd});
+  const at::Tensor sin = gather_rows(sin_table, pos, "position").view({b, q, 1, hd});
   auto [last, tapped] = decoder_layers_bf16(x, input_norms, qkv, o, post_norms, gate_up, down, k_caches, v_caches, cos,
-                                            sin, slots, mask, eps, nh, nkv, hd, intermediate, taps);
+                                            sin, slot, visible, eps, nh, nkv, hd, intermediate, taps);
   at::Tensor hidden = rms_norm_bf16(last, norm, eps);
   at::Tensor logits = head.numel() ? linear_rows(hidden, head, head_rows) : at::empty({0}, hidden.options());
   return {logits, tapped, hidden};

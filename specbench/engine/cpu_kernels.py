@@ -250,16 +250,20 @@ def decoder_layers(x: Tensor, input_norms, qkv, o, post_norms, gate_up, down, k_
 
 
 def decoder_forward(tokens: Tensor, embed: Tensor, cos_table: Tensor, sin_table: Tensor, positions: Tensor,
-                    layers: tuple[list[Tensor], ...], slots: Tensor, mask: Tensor, norm: Tensor, head: Tensor | None,
-                    head_rows: int, eps: float, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int,
-                    taps: list[int]) -> tuple[Tensor | None, list[Tensor], Tensor]:
+                    layers: tuple[list[Tensor], ...], slots: Tensor | None, mask: Tensor | None, norm: Tensor,
+                    head: Tensor | None, head_rows: int, eps: float, n_heads: int, n_kv_heads: int, head_dim: int,
+                    intermediate: int, taps: list[int]) -> tuple[Tensor | None, list[Tensor], Tensor]:
     """A whole decode or verify forward in one call (cpu_kernels.cpp: decoder_forward_bf16): the
     embeddings of `tokens` [b, q], rope's cos / sin rows at `positions` from the tables [S, hd],
-    `decoder_layers` over `layers` (its eight per-layer lists), the final norm and, with a `head`
-    (the LM head's GEMV pack, head_rows outputs), the logits. Returns (logits or None, the outputs of
-    the layers in `taps`, the final normed hidden state): model.Transformer.forward's, bit for bit."""
+    `decoder_layers` over `layers` (its eight per-layer lists) with `slots` and `mask`, the final norm
+    and, with a `head` (the LM head's GEMV pack, head_rows outputs), the logits. No mask: a chain,
+    `positions` the rows' cache lengths [b], from which the kernel makes positions, slots and the
+    mask as core.forward_new_tokens does. Returns (logits or None, the outputs of the layers in `taps`,
+    the final normed hidden state): model.Transformer.forward's, bit for bit."""
+    none = torch.empty(0, dtype=torch.long)
     logits, tapped, hidden = torch.ops.specbench_cpu.decoder_forward_bf16(
-        tokens, embed, cos_table, sin_table, positions, *layers, slots, mask, norm,
+        tokens, embed, cos_table, sin_table, positions, *layers, none if slots is None else slots,
+        torch.empty(0, dtype=torch.bool) if mask is None else mask, norm,
         head if head is not None else torch.empty(0, dtype=torch.bfloat16), head_rows, eps, n_heads, n_kv_heads,
         head_dim, intermediate, taps)
     return (logits if head is not None else None), tapped, hidden

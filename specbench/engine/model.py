@@ -585,11 +585,12 @@ class Transformer(nn.Module):
         Python per forward, so their outcome is kept with a snapshot of everything it read (see
         `_stack_snapshot`) and reused while the snapshot holds (within `kernel_stack_pinned`, without
         checking it). x: the forward's input [b, q, dim] in fp32; in bf16 the embedding table, which the
-        one-call forward reads in its place (same dtype, device and gradient flag)."""
+        one-call forward reads in its place (same dtype, device and gradient flag). mask None: the chain
+        mask, which the one-call forward makes itself."""
         if x.dtype == torch.float32:
             if not cpu_f32.decoder_layers_apply(self.args, x, mask):
                 return None
-        elif (mask.dtype != torch.bool or not cpu_kernels.applies(x)
+        elif ((mask is not None and mask.dtype != torch.bool) or not cpu_kernels.applies(x)
               or not cpu_kernels.decoder_layers_apply(self.args, b * q, q)):
             return None
         if torch.is_grad_enabled():  # requires_grad flags are not in the snapshot: check afresh
@@ -603,12 +604,41 @@ class Transformer(nn.Module):
         self._stack_cache = (self._stack_snapshot(), outcome)
         return outcome
 
+    def chain_in_one_call(self, tokens: Tensor, cache_lengths: Tensor, taps: tuple[int, ...] = (),
+                          logits: bool = True) -> tuple[Tensor | None, Tensor | None, Tensor] | None:
+        """core.forward_new_tokens' forward (`tokens` [b, q] continuing each row's cache at slot
+        cache_lengths[r], the chain mask) where the bf16 one-call route takes it, with the positions,
+        slots and mask made inside the kernel; None elsewhere (the caller then runs `forward`)."""
+        return self._one_call_forward(tokens, cache_lengths, None, None, taps, logits)
+
+    def _one_call_forward(self, tokens: Tensor, positions: Tensor, slots: Tensor | None, mask: Tensor | None,
+                          taps: tuple[int, ...], logits: bool) -> tuple[Tensor | None, Tensor | None, Tensor] | None:
+        """`forward` through cpu_kernels.decoder_forward (bf16 on a CPU, a decode or verify forward:
+        embedding to logits in one call), or None where that route does not apply. No mask: a chain,
+        `positions` then the rows' cache lengths [b] (chain_in_one_call)."""
+        embed = self.model.embed_tokens.weight
+        if not FUSED_LAYERS or embed.dtype != torch.bfloat16:
+            return None
+        stack = self._kernel_stack(embed, *tokens.shape, mask)
+        if stack is None or stack[1] is None:
+            return None
+        a = self.args
+        (_, norm, head), (cos_table, sin_table) = stack[1], self.rope_tables(embed.dtype)
+        out, tapped, hidden = cpu_kernels.decoder_forward(
+            tokens, embed, cos_table, sin_table, positions, stack[0], slots, mask, norm, head if logits else None,
+            a.vocab_size, a.norm_eps, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size,
+            sorted(t for t in set(taps) if 0 <= t < a.n_layers))
+        if logits and head is None:
+            out = self.lm_head(hidden)
+        return out, (torch.cat(tapped, dim=-1) if taps else None), hidden
+
     def _kernel_tail(self) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """What cpu_kernels.decoder_forward reads besides the layers, or None where it does not apply
         (fp32, or a final norm off the kernel route): (the embedding table, the final norm's weight,
         the LM head's GEMV pack, None when stale or absent: the head then runs as a module)."""
         embed, norm = self.model.embed_tokens.weight, self.model.norm.weight
-        if embed.dtype != torch.bfloat16 or not cpu_kernels.applies(embed, norm) or not norm.is_contiguous():
+        if (embed.dtype != torch.bfloat16 or not cpu_kernels.applies(embed, norm) or not norm.is_contiguous()
+                or not embed.is_contiguous()):
             return None
         head = fresh_pack(self.lm_head.weight, self.lm_head.gemm_pack)
         usable = head is not None and head.gemv is not None and self.lm_head.bias is None
@@ -691,19 +721,11 @@ class Transformer(nn.Module):
         taps: decoder layers whose raw outputs to return (EAGLE/DSpark features), concatenated.
         Returns (logits [b, q, V] or None, taps [b, q, len(taps)*dim] or None, final normed hidden).
         """
+        one_call = self._one_call_forward(tokens, positions, slots, mask, taps, logits)
+        if one_call is not None:
+            return one_call
         a = self.args
         tap_list = sorted(t for t in set(taps) if 0 <= t < a.n_layers)
-        embed = self.model.embed_tokens.weight
-        if FUSED_LAYERS and embed.dtype == torch.bfloat16:
-            stack = self._kernel_stack(embed, *tokens.shape, mask)
-            if stack is not None and stack[1] is not None:  # bf16 on a CPU, decode or verify: the forward in one call
-                (_, norm, head), cos_table, sin_table = stack[1], *self.rope_tables(embed.dtype)
-                out, tapped, hidden = cpu_kernels.decoder_forward(
-                    tokens, embed, cos_table, sin_table, positions, stack[0], slots, mask, norm, head if logits else None,
-                    a.vocab_size, a.norm_eps, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size, tap_list)
-                if logits and head is None:
-                    out = self.lm_head(hidden)
-                return out, (torch.cat(tapped, dim=-1) if taps else None), hidden
         x = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         tapped = []
