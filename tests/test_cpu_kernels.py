@@ -589,6 +589,40 @@ def test_a_drafting_round_in_one_call_gives_the_bits_of_append_and_draft_block(d
     assert len(set(torch.cat([o[0] for o in outs]).flatten().tolist())) > 3  # the drafts are not all one token
 
 
+
+def test_pinned_round_routes_decide_once_per_shape_and_give_the_same_rounds(monkeypatch):
+    """DSparkDrafter.round_routes_pinned (entered by core.generate through Policy.decoding): draft_round
+    checks its kernel route once per round shape, not every round, and drafts the same bits; a
+    setup_cache that allocates new caches inside the block makes it check again (and use them)."""
+    drafter, g = _random_dspark(8, 40, block=4)
+    checks = []
+    check = drafter._round_kernel_args
+    monkeypatch.setattr(drafter, "_round_kernel_args", lambda *a: checks.append(1) or check(*a))
+    prompt = torch.randn(2, 12, 3 * 256, generator=g).bfloat16()
+    rounds = [(torch.randn(2, 2, 3 * 256, generator=g).bfloat16(), torch.tensor(c)) for c in ([1, 2], [2, 2], [2, 1])]
+    anchors = torch.tensor([7, 42])
+
+    def decode(max_ctx: int) -> list:
+        drafter.setup_cache(2, max_ctx)
+        for c in drafter.k_cache + drafter.v_cache:
+            c.zero_()
+        drafter.append_context(prompt, torch.tensor([12, 9]))
+        return [drafter.draft_round(f, c, anchors, 0.0, with_probs=False) for f, c in rounds + [(None, None)]]
+
+    with torch.inference_mode():
+        reference = decode(40)
+        assert len(checks) == 4  # unpinned: every round
+        checks.clear()
+        with drafter.round_routes_pinned():
+            pinned = decode(40)
+            assert len(checks) == 2  # one shape of features [2, 2, F], and a round with none
+            bigger = decode(80)  # new caches: the routes are checked again
+            assert len(checks) == 4
+        assert drafter._round_routes is None
+    for outs in (pinned, bigger):
+        for (tokens, _, z), (ref_tokens, _, ref_z) in zip(outs, reference):
+            assert torch.equal(tokens, ref_tokens) and torch.equal(z, ref_z)
+
 def _sampled_rounds(drafter, g, b, fused, monkeypatch, temperature=1.0, top_p=1.0, seed=5):
     """Three drafting rounds at `temperature` from the same start and seed (fused or two calls):
     (outs, context cache, lengths, the uniforms the first round's kernel drew)."""

@@ -164,8 +164,9 @@ def test_algorithm1_runs_once_a_gated_round_and_schedules_as_before(target, monk
 
     def run(reuse: bool):
         calls = []
-        search = dspark_policy.algorithm1_lengths
-        monkeypatch.setattr(dspark_policy, "algorithm1_lengths", lambda *a, **k: calls.append(1) or search(*a, **k))
+        for name in ("algorithm1_lengths", "algorithm1_admit"):  # the schedule's search and the gate's
+            search = getattr(dspark_policy, name)
+            monkeypatch.setattr(dspark_policy, name, lambda *a, _search=search, **k: calls.append(1) or _search(*a, **k))
         pol = DSpark(make_drafter(target, seed=4), scheduler="algorithm1", step_seconds=cheap,
                      draft_seconds=lambda rows: 0.002, sts_temperatures=[1.3, 0.8, 1.0, 1.1], draft_gate=True)
         if not reuse:

@@ -28,9 +28,9 @@ def test_chain_greedy_equals_one_hot_verification(with_draft_probs):
         q = int(verify_lengths.max()) + 1
         expected = verify_chain(probs_from_logits(logits[:, :q], 0.0), drafts, draft_probs, verify_lengths,
                                 torch.Generator().manual_seed(trial))
-        got = verify_chain_greedy(argmax[:, :q], drafts, verify_lengths)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-        lengths_seen.update(got[0].tolist())
+        got = verify_chain_greedy(argmax[:, :q].tolist(), drafts.tolist(), verify_lengths.tolist())
+        assert got == (expected[0].tolist(), expected[1].tolist())
+        lengths_seen.update(got[0])
     assert lengths_seen == set(range(k + 1))  # every outcome from "reject the first" to "accept all"
 
 

@@ -41,6 +41,7 @@ nested inside), bf16 shards of this module's state_dict (no target tensors).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -224,6 +225,8 @@ class DSparkDrafter(nn.Module):
             self.vocab_ids = None
         self._draft_head: tuple | None = None  # (cache key, lm_head rows of vocab_ids)
         self._layer_packs: tuple | None = None  # (cache key, per-layer packs for cpu_kernels.decoder_layers)
+        # Inside round_routes_pinned: draft_round's route per round shape, else None (checked every round).
+        self._round_routes: dict | None = None
         self.set_frozen(embed_weight, lm_head_weight)
         # Inference state (setup_cache): per layer context K/V [max_batch, nkv, max_ctx + 1 + γ, hd]
         # (slot max_ctx is a write-only sink for padding entries; the fused block pass writes a
@@ -241,6 +244,7 @@ class DSparkDrafter(nn.Module):
         # A tuple hides them from nn.Module registration (state_dict, parameters(), .to()).
         self._frozen = (embed_weight, lm_head_weight)
         self._draft_head = None
+        self._forget_round_routes()
 
     @property
     def embed_weight(self) -> Tensor:
@@ -330,6 +334,7 @@ class DSparkDrafter(nn.Module):
         pack_linears(self)
         self._draft_head = None
         self._layer_packs = None
+        self._forget_round_routes()
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -337,7 +342,7 @@ class DSparkDrafter(nn.Module):
         return out
 
     def __getstate__(self):  # copies and pickles leave the packs of the head rows and layers behind
-        return {**super().__getstate__(), "_draft_head": None, "_layer_packs": None}
+        return {**super().__getstate__(), "_draft_head": None, "_layer_packs": None, "_round_routes": None}
 
     def set_draft_vocab(self, token_ids: Tensor) -> None:
         """The trainer's choice of the V_d draft tokens (e.g. the most frequent response tokens)."""
@@ -345,6 +350,7 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"this drafter drafts from {self.draft_vocab_size} tokens, got {token_ids.numel()}")
         self.vocab_ids.copy_(token_ids.to(self.vocab_ids))
         self._draft_head = None
+        self._forget_round_routes()
 
     def _linear(self, h: Tensor, w: Tensor) -> Tensor:
         if w.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
@@ -444,7 +450,25 @@ class DSparkDrafter(nn.Module):
                 self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
                 self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
             self.max_batch, self.max_ctx = max_batch, max_ctx
+            self._forget_round_routes()
         self.reset(max_batch)
+
+    @contextlib.contextmanager
+    def round_routes_pinned(self):
+        """Within this block draft_round decides its route (one kernel call or the module path) once per
+        round shape and reuses it: the decode loop changes no drafter weight between rounds, and the
+        check (every pack fresh, every tensor bf16 on a CPU) cost ~0.15 ms of Python a round on a cold
+        cache (docs/performance.md "Session 24"). setup_cache with new caches, a .to(), new frozen
+        weights or a new draft vocabulary forget the routes, so those are picked up inside the block too."""
+        was, self._round_routes = self._round_routes, {}
+        try:
+            yield self
+        finally:
+            self._round_routes = was
+
+    def _forget_round_routes(self) -> None:
+        if getattr(self, "_round_routes", None) is not None:
+            self._round_routes = {}
 
     def reset(self, batch: int | None = None) -> None:
         """Empty every row's context (a new batch of prompts)."""
@@ -653,7 +677,7 @@ class DSparkDrafter(nn.Module):
         b = anchor_tokens.shape[0]
         # Sampled rounds take the kernel only at top_p = 1 (its sampler has no nucleus filter).
         kernel_samples = temperature <= 0 or top_p >= 1.0
-        fused = self._round_kernel_args(features, b) if kernel_samples and FUSED_ROUND else None
+        fused = self._round_route(features, b) if kernel_samples and FUSED_ROUND else None
         if fused is None:
             if features is not None:
                 self.append_context(features, counts=counts)
@@ -680,6 +704,16 @@ class DSparkDrafter(nn.Module):
             else:
                 probs.scatter_(2, self.vocab_ids.expand(b, self.block_size, -1), draft_probs)
         return tokens, probs, confidence
+
+    def _round_route(self, features: Tensor | None, b: int) -> tuple | None:
+        """_round_kernel_args, remembered per round shape inside round_routes_pinned."""
+        routes = self._round_routes
+        if routes is None or torch.is_autocast_enabled("cpu"):
+            return self._round_kernel_args(features, b)
+        key = (b, torch.is_grad_enabled(), None if features is None else (features.shape, features.dtype, features.device))
+        if key not in routes:
+            routes[key] = self._round_kernel_args(features, b)
+        return routes[key]
 
     def _round_kernel_args(self, features: Tensor | None, b: int) -> tuple | None:
         """(fc pack, hidden_norm weight, per-layer k|v packs) for draft_round's one call, where each of

@@ -135,7 +135,9 @@ def generate(
 ) -> BatchResult:
     """Decode a batch of prompts with `policy` until each row hits EOS or max_new_tokens."""
     pinned = getattr(target, "kernel_stack_pinned", None)  # nothing changes the target's weights while decoding
-    with pinned() if pinned is not None else contextlib.nullcontext():
+    decoding = getattr(policy, "decoding", None)  # Policy.decoding; a duck-typed policy may lack it
+    with (pinned() if pinned is not None else contextlib.nullcontext(),
+          decoding() if decoding is not None else contextlib.nullcontext()):
         return _generate(target, policy, prompts, config, eos_ids)
 
 
@@ -245,16 +247,21 @@ def _verify_chain_round(target, policy, state: BatchState, draft: Draft, verify_
     inputs = torch.cat([anchors, draft.tokens[:, : q - 1]], dim=1)
     logits, verify_features, _ = forward_new_tokens(target, inputs, cache_lengths, policy.target_taps)
     if config.temperature <= 0:  # greedy fast path: argmax ids, the same outcome as one-hot verification
-        accepted, next_token = verify_chain_greedy(greedy_ids(logits), draft.tokens, verify_lengths)
+        ids = greedy_ids(logits)
+        width = ids.shape[1]
+        # One device-to-host transfer: per row [argmax ids, ℓ, drafts...].
+        rows = torch.cat([ids, verify_lengths[:, None], draft.tokens], dim=1).tolist()
+        lengths, drafts = [row[width] for row in rows], [row[width + 1:] for row in rows]
+        accepted, next_tokens = verify_chain_greedy([row[:width] for row in rows], drafts, lengths)
     else:
         target_probs = probs_from_logits(logits, config.temperature, config.top_p)
-        accepted, next_token = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
-    # One device-to-host transfer of the round's outcome: per row [accepted, next, ℓ, drafts...].
-    rows = torch.cat([accepted[:, None], next_token[:, None], verify_lengths[:, None], draft.tokens], dim=1).tolist()
-    lengths = [row[2] for row in rows]
-    return RoundOutcome(accepted_paths=[list(range(row[0])) for row in rows], next_tokens=[row[1] for row in rows],
-                        draft_tokens=[row[3:] for row in rows], verified=lengths, depths=lengths,
-                        features=verify_features)
+        accepted_t, next_t = verify_chain(target_probs, draft.tokens, draft.probs, verify_lengths, state.generator)
+        # One device-to-host transfer of the round's outcome: per row [accepted, next, ℓ, drafts...].
+        rows = torch.cat([accepted_t[:, None], next_t[:, None], verify_lengths[:, None], draft.tokens], dim=1).tolist()
+        accepted, next_tokens = [row[0] for row in rows], [row[1] for row in rows]
+        lengths, drafts = [row[2] for row in rows], [row[3:] for row in rows]
+    return RoundOutcome(accepted_paths=[list(range(a)) for a in accepted], next_tokens=next_tokens,
+                        draft_tokens=drafts, verified=lengths, depths=lengths, features=verify_features)
 
 
 def tree_layout(parents: Tensor, n_nodes: Tensor) -> tuple[Tensor, Tensor]:

@@ -7,6 +7,8 @@ A policy never touches the target's KV cache; it only reads the batch state.
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +63,11 @@ class Policy:
 
     def params(self) -> dict:
         return {}
+
+    def decoding(self):
+        """A context the decode loop (core.generate) holds around a batch: a policy pins what does not
+        change between its rounds there (DSpark: the drafter's kernel route)."""
+        return contextlib.nullcontext()
 
     def begin(self, state: BatchState, prompt_features: Tensor | None) -> None:
         """After prefill. prompt_features: [b, P, F] target taps over the (right-padded) prompts."""

@@ -159,20 +159,24 @@ def verify_tree(
     return paths, sample(next_dists, generator)
 
 
-def verify_chain_greedy(target_argmax: Tensor, draft_tokens: Tensor, verify_lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """verify_chain for a greedy target (temperature 0) on its argmax ids [b, Q], without building
-    one-hot [b, Q, V] distributions or drawing noise: with p one-hot at a, u·q(x) < p(x) holds
-    exactly when x = a, and the residual norm(max(0, p − q)) is p again, so rows accept while the
-    draft equals the target's argmax and emit the argmax after the last accepted draft (correction
-    or bonus). Same (accepted, next_token) as verify_chain, whatever the draft probabilities."""
-    b, q = target_argmax.shape
-    k_max = min(draft_tokens.shape[1], q - 1)
-    if k_max == 0:
-        return torch.zeros(b, dtype=torch.long, device=target_argmax.device), target_argmax[:, 0]
-    match = draft_tokens[:, :k_max] == target_argmax[:, :k_max]
-    match &= torch.arange(k_max, device=match.device)[None] < verify_lengths[:, None]
-    accepted = match.long().cumprod(dim=1).sum(dim=1)
-    return accepted, target_argmax.gather(1, accepted[:, None]).squeeze(1)
+def verify_chain_greedy(target_argmax: list[list[int]], draft_tokens: list[list[int]], verify_lengths: list[int]
+                        ) -> tuple[list[int], list[int]]:
+    """verify_chain for a greedy target (temperature 0), on host lists: per row the target's argmax ids
+    at [anchor, drafts...] (Q of them), the drafts and ℓ. No one-hot [b, Q, V] distributions and no
+    noise: with p one-hot at a, u·q(x) < p(x) holds exactly when x = a, and the residual
+    norm(max(0, p − q)) is p again, so a row accepts while its draft equals the target's argmax and
+    emits the argmax after the last accepted draft (correction or bonus). Same (accepted, next_token)
+    as verify_chain, whatever the draft probabilities. Lists, because the core brings the round's ids
+    to the host in one transfer anyway, and a handful of comparisons in Python costs less than the
+    torch calls that did them on tensors."""
+    accepted, next_tokens = [], []
+    for ids, drafts, length in zip(target_argmax, draft_tokens, verify_lengths):
+        limit, a = min(length, len(ids) - 1, len(drafts)), 0
+        while a < limit and drafts[a] == ids[a]:
+            a += 1
+        accepted.append(a)
+        next_tokens.append(ids[a])
+    return accepted, next_tokens
 
 
 def verify_tree_greedy(target_argmax: Tensor, node_tokens: Tensor, parents: Tensor, n_nodes: Tensor

@@ -42,8 +42,8 @@ from torch import Tensor
 from specbench.policies.calibration import nearest_fit
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
-from specbench.policies.scheduler import (algorithm1_lengths, best_capacity, capacity_lengths, fixed_lengths,
-                                 threshold_lengths)
+from specbench.policies.scheduler import (algorithm1_admit, algorithm1_lengths, best_capacity, capacity_lengths,
+                                          fixed_lengths, prefix_survival, threshold_lengths)
 
 SCHEDULERS = ("fixed", "threshold", "algorithm1", "capacity")
 MAX_BACKOFF = 64  # the draft gate probes at least once every this many rounds
@@ -92,6 +92,10 @@ class DSpark(Policy):
         self.gate = (DraftGate(self.gamma, step_seconds, self.draft_seconds, early_stop=scheduler != "capacity")
                      if draft_gate else None)
 
+    def decoding(self):
+        pinned = getattr(self.draft_model, "round_routes_pinned", None)  # test stubs have none
+        return pinned() if pinned is not None else super().decoding()
+
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
                 "sts": self._sts_params(), "draft_gate": self.gate is not None}
@@ -138,10 +142,11 @@ class DSpark(Policy):
             raw = conf_logits[:, : self.gamma].float()  # the core records them for STS calibration
             confidence = torch.sigmoid(raw / self.batch_sts)
             if self.gate is not None:
-                admitted = self.gate.update(confidence, state.active)
+                active = state.active.tolist()
+                admitted = self.gate.update(confidence, active)
                 # What Algorithm 1 admits for these confidences, rows and lengths (the gate's own
                 # question); _schedule takes it instead of running the same search again.
-                self._admitted = (confidence, state.active.clone(), admitted)
+                self._admitted = (confidence, active, admitted)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide (no probs drafted).
         return Draft(tokens=tokens, probs=probs, lengths=lengths,
@@ -162,6 +167,13 @@ class DSpark(Policy):
         return self._schedule(draft, state.active)
 
     def _schedule(self, draft: Draft, active_mask: Tensor) -> Tensor:
+        known = getattr(self, "_admitted", None) if self.scheduler == "algorithm1" else None
+        if known is not None and known[0] is draft.confidence is not None and known[2] is not None:
+            active = active_mask.tolist()
+            if known[1] == active:  # the draft gate ran this very search (same inputs) in propose()
+                admitted = iter(known[2])  # its lengths, the active rows' in row order
+                return torch.tensor([next(admitted) if on else 0 for on in active], dtype=draft.lengths.dtype,
+                                    device=draft.lengths.device)
         lengths = draft.lengths * active_mask
         if draft.tokens.shape[1] == 0:  # a round the draft gate skipped
             return lengths
@@ -179,10 +191,6 @@ class DSpark(Policy):
         # Algorithm 1 (padded=True) hands over B = n·(1 + max ℓ) for the n requests it schedules.
         b = len(active_mask)
         if self.scheduler == "algorithm1":
-            known = getattr(self, "_admitted", None)
-            if known is not None and known[0] is conf and known[2] is not None and torch.equal(known[1], active_mask):
-                out[active] = known[2]  # the draft gate ran this very search (same inputs) in propose()
-                return out
             out[active] = algorithm1_lengths(conf[active], lengths[active], self._sps(b, rows), early_stop=True, padded=True)
             return out
         # Production variant (docs/dspark.md §4.4): capacity from confidences two rounds old (a causal barrier, so
@@ -259,25 +267,24 @@ class DraftGate:
             return True
         return False
 
-    def update(self, confidence: Tensor, active_mask: Tensor) -> Tensor | None:
-        """Decide, from this round's confidences, whether the *next* rounds draft. Returns the
-        lengths the scheduler admits for the active rows (Algorithm 1 with `early_stop`, from the
-        same inputs as the policy's own call), or None when no row is active."""
-        active = active_mask.nonzero().flatten()
-        if len(active) == 0:
+    def update(self, confidence: Tensor, active_mask: Tensor | list[bool]) -> list[int] | None:
+        """Decide, from this round's confidences [b, γ], whether the *next* rounds draft. Returns the
+        lengths the scheduler admits for the active rows, in row order (Algorithm 1 with `early_stop`,
+        from the same inputs as the policy's own call), or None when no row is active."""
+        active_mask = active_mask.tolist() if isinstance(active_mask, Tensor) else list(active_mask)
+        rows = sum(active_mask)
+        if rows == 0:
             return None
-        b, rows = len(active_mask), len(active)
+        b = len(active_mask)
         if self.backoff is None:
             self.backoff = self.backoff_by_rows.get(b, 1)
-        conf = confidence[active]
-        lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=conf.device)
+        survival = prefix_survival(confidence.float()).tolist()  # the round's one transfer
+        survival = [a for a, on in zip(survival, active_mask) if on]
         sps = rounds_per_second(self.step_seconds, self.draft_seconds, b, rows)
         # What the scheduler itself would admit: with Algorithm 1, a global optimum past the first
         # non-improvement is one the lossless scheduler never reaches, so drafting for it pays nothing.
-        best = algorithm1_lengths(conf, lengths, sps, early_stop=self.early_stop, padded=True)
-        survival = conf.float().clamp(0, 1).cumprod(-1)
-        expected = rows + float((survival * (torch.arange(self.gamma, device=conf.device)[None] < best[:, None])).sum())
-        with_draft = expected / (self.draft_seconds(b) + self.step_seconds(b, 1 + int(best.max())))
+        best, expected = algorithm1_admit(survival, [self.gamma] * rows, sps, early_stop=self.early_stop, padded=True)
+        with_draft = expected / (self.draft_seconds(b) + self.step_seconds(b, 1 + max(best)))
         without = rows / self.step_seconds(b, 1)
         if with_draft > without:
             self.backoff = 1

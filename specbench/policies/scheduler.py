@@ -12,7 +12,8 @@ Variants (docs/dspark.md §4.5):
   threshold_lengths    the public repo's rule: stop at the first c_k < threshold
   algorithm1_lengths   DSpark Algorithm 1: global greedy admission by prefix survival
                        a[r, j] = Π_{i≤j} c[r, i], maximising Θ = E[tokens] · SPS(B), with the
-                       early stop (early_stop=False reproduces the biased global search)
+                       early stop (early_stop=False reproduces the biased global search);
+                       algorithm1_admit is the same search on host lists, with its E[tokens]
   capacity_lengths     production variant: admit the K most confident prefixes (K from stale
                        confidences), no early stop
 """
@@ -39,19 +40,45 @@ def threshold_lengths(confidence: Tensor, max_lengths: Tensor, threshold: float)
     return (~below).long().cumprod(dim=1).sum(dim=1)
 
 
-def _admission_order(survival: Tensor, max_lengths: Tensor) -> tuple[list[int], list[int], list[float]]:
+def _admission_order(survival: list[list[float]], limits: list[int]) -> tuple[list[int], list[int], list[float]]:
     """Candidates (r, j) sorted by a[r, j] descending; ties go to the shallower position first so the
     admitted set stays prefix-closed and never looks at a deeper position first."""
-    rows, cols = survival.shape
     items = []
-    a = survival.tolist()
-    limits = max_lengths.tolist()
-    for r in range(rows):
-        for j in range(min(cols, limits[r])):
-            if a[r][j] > 0:
-                items.append((-a[r][j], j, r))
+    for r, (a, limit) in enumerate(zip(survival, limits)):
+        for j in range(min(len(a), limit)):
+            if a[j] > 0:
+                items.append((-a[j], j, r))
     items.sort()
     return [r for _, _, r in items], [j + 1 for _, j, _ in items], [-neg for neg, _, _ in items]
+
+
+def algorithm1_admit(
+    survival: list[list[float]], limits: list[int], sps: Callable[[int], float], early_stop: bool = True,
+    padded: bool = False,
+) -> tuple[list[int], float]:
+    """Algorithm 1 on host lists: survival a[r][j] (prefix_survival(...).tolist()) and each row's
+    longest allowed ℓ. Returns (ℓ per row, E[tokens] at that ℓ: one per row for its anchor plus the
+    survival of every admitted draft), so a caller that also needs the expectation (the draft gate)
+    does not compute it again. Plain Python: a round's search is a few dozen candidates, where each
+    torch call on a cold cache costs more than the whole loop."""
+    n_rows = len(survival)
+    order_r, order_j, order_a = _admission_order(survival, limits)
+    current = [0] * n_rows
+    best_lengths = list(current)
+    verify_tokens, expected_tokens, longest = n_rows, float(n_rows), 0
+    best_expected = expected_tokens
+    best = expected_tokens * sps(verify_tokens)
+    for r, j, a in zip(order_r, order_j, order_a):
+        current[r] = j
+        verify_tokens += 1
+        longest = max(longest, j)
+        expected_tokens += a
+        theta = expected_tokens * sps(n_rows * (1 + longest) if padded else verify_tokens)
+        if theta > best:
+            best, best_lengths, best_expected = theta, list(current), expected_tokens
+        elif early_stop:
+            break  # required for losslessness: never look past the first non-improvement
+    return best_lengths, best_expected
 
 
 def algorithm1_lengths(
@@ -62,30 +89,15 @@ def algorithm1_lengths(
 
     padded: the engine verifies a right-padded [R, 1 + max ℓ] batch (specbench's core does), so
     the forward it pays for carries B = R·(1 + max_r ℓ_r) tokens rather than the packed Σ(1 + ℓ_r)."""
-    n_rows = confidence.shape[0]
-    survival = prefix_survival(confidence.float())
-    order_r, order_j, order_a = _admission_order(survival, max_lengths)
-    current = [0] * n_rows
-    best_lengths = list(current)
-    verify_tokens, expected_tokens, longest = n_rows, float(n_rows), 0
-    best = expected_tokens * sps(verify_tokens)
-    for r, j, a in zip(order_r, order_j, order_a):
-        current[r] = j
-        verify_tokens += 1
-        longest = max(longest, j)
-        expected_tokens += a
-        theta = expected_tokens * sps(n_rows * (1 + longest) if padded else verify_tokens)
-        if theta > best:
-            best, best_lengths = theta, list(current)
-        elif early_stop:
-            break  # required for losslessness: never look past the first non-improvement
-    return torch.tensor(best_lengths, dtype=torch.long, device=confidence.device)
+    lengths, _ = algorithm1_admit(prefix_survival(confidence.float()).tolist(), max_lengths.tolist(), sps,
+                                  early_stop=early_stop, padded=padded)
+    return torch.tensor(lengths, dtype=torch.long, device=confidence.device)
 
 
 def capacity_lengths(confidence: Tensor, max_lengths: Tensor, capacity: int) -> Tensor:
     """Admit the `capacity` most confident draft positions across the batch (prefix-closed)."""
     n_rows = confidence.shape[0]
-    order_r, order_j, _ = _admission_order(prefix_survival(confidence.float()), max_lengths)
+    order_r, order_j, _ = _admission_order(prefix_survival(confidence.float()).tolist(), max_lengths.tolist())
     lengths = [0] * n_rows
     for r, j in list(zip(order_r, order_j))[: max(capacity, 0)]:
         lengths[r] = max(lengths[r], j)
