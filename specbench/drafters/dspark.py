@@ -467,7 +467,7 @@ class DSparkDrafter(nn.Module):
             self._round_routes = was
 
     def _forget_round_routes(self) -> None:
-        if getattr(self, "_round_routes", None) is not None:
+        if self._round_routes is not None:
             self._round_routes = {}
 
     def reset(self, batch: int | None = None) -> None:

@@ -168,7 +168,7 @@ class DSpark(Policy):
 
     def _schedule(self, draft: Draft, active_mask: Tensor) -> Tensor:
         known = getattr(self, "_admitted", None) if self.scheduler == "algorithm1" else None
-        if known is not None and known[0] is draft.confidence is not None and known[2] is not None:
+        if known is not None and draft.confidence is not None and known[0] is draft.confidence and known[2] is not None:
             active = active_mask.tolist()
             if known[1] == active:  # the draft gate ran this very search (same inputs) in propose()
                 admitted = iter(known[2])  # its lengths, the active rows' in row order
