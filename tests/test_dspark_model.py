@@ -236,3 +236,39 @@ def test_reduced_draft_vocabulary():
     assert drafter.token_to_draft_index(torch.tensor([7, 8])).tolist() == [2, -1]
     greedy, onehot, _ = drafter.draft_block(ids[0, 7].expand(2), None, 0.0)
     assert torch.equal(onehot.argmax(-1), greedy)
+
+
+def test_cutting_the_draft_vocabulary_keeps_its_first_tokens():
+    """keep_draft_vocab(n): the first n draft tokens (the trainer ranks them most frequent first), their
+    head and Markov rows as they were, so their logits are the first n columns of the uncut drafter's;
+    greedy drafts come from those n tokens; a bad n or a drafter without a draft vocabulary is refused."""
+    V, Vd = 12, 5
+    target = tiny_model(vocab=V, dim=16, layers=3, scale=2.0)
+    args = DSparkArgs.for_target(target.args, tap_layers=TAPS, n_layers=1, block_size=3, markov_rank=4, draft_vocab=Vd)
+    drafter = build_drafter(args, target)
+    drafter.init_weights(torch.Generator().manual_seed(0))
+    drafter.set_draft_vocab(torch.tensor([11, 3, 7, 0, 9]))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    h = torch.randn(6, 16, generator=torch.Generator().manual_seed(5))
+    prev = torch.tensor([1, 11, 3, 0, 9, 4])
+    with torch.no_grad():
+        full = drafter.block_logits(h, prev)
+    for bad in (0, Vd + 1):
+        with pytest.raises(ValueError):
+            drafter.keep_draft_vocab(bad)
+    drafter.keep_draft_vocab(3)
+    assert drafter.vocab_ids.tolist() == [11, 3, 7] and drafter.draft_vocab_size == 3
+    assert drafter.markov_w2.weight.shape == (3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.block_logits(h, prev), full[:, :3], rtol=0, atol=0)
+    ids, feats = sequence(target, T=10)
+    drafter.setup_cache(4, 16)
+    drafter.append_context(feats[:, :7].expand(4, -1, -1))
+    tokens, _, _ = drafter.draft_block(ids[0, 7].expand(4), None, 0.0)
+    assert set(tokens.flatten().tolist()) <= {11, 3, 7}
+    whole = build_drafter(DSparkArgs.for_target(target.args, tap_layers=TAPS, n_layers=1, block_size=3, markov_rank=4),
+                          target)
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        whole.keep_draft_vocab(3)

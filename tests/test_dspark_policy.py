@@ -86,11 +86,15 @@ def test_whole_policy_sampling_matches_target_bf16():
     _whole_policy_chi_square(target, drafter, 4)
 
 
-def test_reduced_draft_vocabulary_sampling_matches_target(small):
-    """A drafter that can propose only 3 of the 5 tokens: still the target's distribution."""
+@pytest.mark.parametrize("keep", [3, 2])
+def test_reduced_draft_vocabulary_sampling_matches_target(small, keep):
+    """A drafter that can propose only 3 of the 5 tokens, or only the first 2 of those (its draft
+    vocabulary cut at load time, build_dspark's draft_vocab): still the target's distribution."""
     target, _ = small
     drafter = make_drafter(target, seed=1, block_size=3, std=0.3, draft_vocab=3)
     drafter.set_draft_vocab(torch.tensor([4, 0, 2]))
+    drafter.keep_draft_vocab(keep)
+    assert drafter.vocab_ids.tolist() == [4, 0, 2][:keep]
     _whole_policy_chi_square(target, drafter, 4)
 
 

@@ -245,6 +245,13 @@ def test_reduced_draft_vocabulary_trains_saves_and_loads(target, data, tmp_path)
     drafter.append_context(feats)
     tokens, probs, _ = drafter.draft_block(torch.tensor([1, 2, 3, 4]), None, 1.0)
     assert set(tokens.flatten().tolist()) <= set(weights["vocab_ids"].tolist())
+    # build_dspark's draft_vocab = n: the first n of these ranked tokens; n >= V_d (or 0) leaves all V_d.
+    from specbench.policies.registry import build_dspark
+
+    for n, size in ((0, Vd), (Vd, Vd), (Vd + 5, Vd), (3, 3)):
+        policy = build_dspark(target, drafter=str(tmp_path / "d"), scheduler="fixed", draft_vocab=n)
+        assert policy.params()["draft_vocab"] == size
+        assert policy.draft_model.vocab_ids.tolist() == weights["vocab_ids"][:size].tolist()
 
 
 def test_calibrate_fits_each_sampling_temperature(target, data, trained, tmp_path):
@@ -421,3 +428,14 @@ def test_warm_start_appends_draft_layers(target, trained, variant):
         with pytest.raises(UserError, match="model_args"):
             warm_start(build_drafter(fewer_args, target.model, dtype=torch.float32), str(src), target, variant,
                        fewer_args.to_dict())
+
+
+def test_build_dspark_leaves_a_whole_vocabulary_drafter_whole(target, trained):
+    """build_dspark's draft_vocab = n on a drafter that drafts from the whole vocabulary: nothing ranked to
+    cut, so it is used whole, and policy_params say so."""
+    from specbench.policies.registry import build_dspark
+
+    V = target.model.args.vocab_size
+    for n in (0, 3):
+        policy = build_dspark(target, drafter=str(trained["dspark"][0]), scheduler="fixed", draft_vocab=n)
+        assert policy.params()["draft_vocab"] == V and policy.draft_model.vocab_ids is None

@@ -164,7 +164,8 @@ def load_costs(profile_path: str | Path) -> Costs:
             # skip costs of an older checkpoint at the same path when the current one is here to compare with
             name, digest, dev = parse_drafter_cost_key(key)
             current = profiles.drafter_digest(name) if digest else "-"
-            if digest and current != "-" and digest != current:
+            # the digest is the checkpoint's, then the engine's and any variant's after dots (load_or_measure)
+            if digest and current != "-" and digest.partition(".")[0] != current:
                 continue
             if dev == device and isinstance(entries, list) and entries:
                 drafters[name] = profiles.draft_time_model(entries)

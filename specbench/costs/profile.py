@@ -367,9 +367,11 @@ def drafter_digest(drafter_name: str | None) -> str:
     return hashlib.sha256(text).hexdigest()[:12]
 
 
-def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter_name: str | None = None) -> dict:
+def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter_name: str | None = None,
+                    variant: str = "") -> dict:
     """Like `load_or_measure_target`, plus the cost of one drafting round of `drafter` per batch size
-    (cached under the drafter's name and checkpoint digest): the scheduler's step time is draft + verify."""
+    (cached under the drafter's name and checkpoint digest, and `variant`, what the loaded drafter changes
+    from its checkpoint, e.g. a cut draft vocabulary): the scheduler's step time is draft + verify."""
     data = load_or_measure_target(target, cache_dir)
     if drafter is None:
         return data
@@ -377,7 +379,8 @@ def load_or_measure(target, cache_dir: Path | None = None, drafter=None, drafter
 
     from specbench.engine.dtypes import dtype_name
 
-    key = drafter_cost_key(drafter_name, f"{drafter_digest(drafter_name)}.{engine_digest()}",
+    digest = f"{drafter_digest(drafter_name)}.{engine_digest()}" + (f".{variant}" if variant else "")
+    key = drafter_cost_key(drafter_name, digest,
                            device_name(target.model.device),
                            dtype_name(target.model.lm_head.weight.dtype))
     cache = (cache_dir or default_cache_dir()) / "profiles" / DRAFTER_COSTS_FILE

@@ -352,6 +352,28 @@ class DSparkDrafter(nn.Module):
         self._draft_head = None
         self._forget_round_routes()
 
+    def keep_draft_vocab(self, n: int) -> None:
+        """Draft from the first n of the V_d draft tokens only. The trainer stores them most frequent
+        first (train/common.py `vocab_rank`), so the first n are the n most frequent response tokens;
+        the draft head's rows and the Markov head's W2 rows of the others are dropped. Every draft is
+        still verified, so the output is the target's at any n; only which drafts are proposed changes.
+        On a CPU the draft head over V_d rows is a third of the drafter's bytes, read after every target
+        step has evicted them (docs/performance.md "Session 25")."""
+        if self.vocab_ids is None:
+            raise ValueError("this drafter drafts from the whole vocabulary: it has no ranked draft vocabulary to cut")
+        if not 0 < n <= self.draft_vocab_size:
+            raise ValueError(f"draft_vocab must be in 1..{self.draft_vocab_size} for this drafter, got {n}")
+        if n == self.draft_vocab_size:
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            self.vocab_ids = self.vocab_ids[:n].clone()
+            if self.markov_w2 is not None:
+                w2 = self.markov_w2.weight
+                self.markov_w2.weight = nn.Parameter(w2[:n].clone(), requires_grad=w2.requires_grad)
+                self.markov_w2.out_features = n
+        self.args.draft_vocab = n
+        self.pack_weights()
+
     def _linear(self, h: Tensor, w: Tensor) -> Tensor:
         if w.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
             w = w.to(h.dtype)

@@ -136,11 +136,12 @@ def build_eagle_chain(target, drafter: str = "drafters/smollm2-135m/eagle", dept
 
 def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
                  threshold: float = 0.5, gamma: int | None = None, profile: str = "auto", calibrated: bool = True,
-                 draft_gate: bool | None = None) -> Policy:
+                 draft_gate: bool | None = None, draft_vocab: int = 0) -> Policy:
     """DSpark / DFlash over a trained drafter; `profile` is "auto" (this device's cost profile,
     measured once and cached) or a path to a profile json from `specbench profile`. draft_gate
     (policies/dspark.py): skip the drafter while it does not pay; default on with the cost-model
-    schedulers (algorithm1, capacity), off otherwise."""
+    schedulers (algorithm1, capacity), off otherwise. draft_vocab = n > 0: at most the first n of the
+    drafter's ranked draft tokens (0: all it was trained with)."""
     from specbench.costs import profile as profiles
     from specbench.costs.schema import read_profile
     from specbench.policies.calibration import load_sts
@@ -151,6 +152,12 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     from specbench.drafters.formats import is_published, load_drafter_any
 
     model = load_drafter_any(drafter, target, ("dspark", "dflash"), load_dspark_drafter)
+    # draft_vocab = n > 0: draft from at most the first n of its ranked draft tokens (keep_draft_vocab). A drafter
+    # with fewer, or drafting from the whole vocabulary (nothing ranked to cut), is used whole; the records'
+    # policy_params give the size it drafted from.
+    cut = int(draft_vocab) > 0 and getattr(model, "vocab_ids", None) is not None and int(draft_vocab) < model.draft_vocab_size
+    if cut:
+        model.keep_draft_vocab(int(draft_vocab))
     temperatures = None  # STS: {sampling temperature: per-position temperatures}
     # STS fitted by `specbench calibrate` lives beside the drafter (a published one: in its directory).
     calibration = (Path(drafter) if is_published(drafter) else resolve_checkpoint(drafter)) / "calibration.json"
@@ -159,7 +166,8 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     step_seconds = draft_seconds = None
     if scheduler in ("algorithm1", "capacity"):
         if profile == "auto":
-            data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter)
+            data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter,
+                                            variant=f"vocab{model.draft_vocab_size}" if cut else "")
         else:
             data = read_profile(profile)
         step_seconds = profiles.step_time_model(data)
