@@ -289,3 +289,25 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
                         "--concurrency")
     _one_error_line(capsys, main(["simulate", "--trace", str(good), "--profile", str(profile), "--source-batch-size", "8"]),
                     "no records at batch size 8")
+
+
+def test_drafter_costs_of_the_current_checkpoint_are_read_and_older_ones_skipped(tmp_path):
+    """drafters.json keys carry the checkpoint's digest, then the engine's and any variant's after dots
+    (profile.load_or_measure): the simulator keeps an entry whose checkpoint digest is the current one's,
+    whatever follows it, and skips one measured for an older checkpoint at the same path."""
+    from specbench.costs import profile as profiles
+    from specbench.costs.schema import drafter_cost_key
+
+    ckpt = tmp_path / "drafter"
+    ckpt.mkdir()
+    (ckpt / "drafter.json").write_text(json.dumps({"format": 1, "kind": "dspark"}))
+    current = profiles.drafter_digest(str(ckpt))
+    assert current != "-"
+    old = [{"batch": 1, "median_ms": 50.0}]
+    new = [{"batch": 1, "median_ms": 2.0}]
+    (tmp_path / "drafters.json").write_text(json.dumps({
+        drafter_cost_key(str(ckpt), "0ld0ld0ld0ld.e1e1e1e1e1e1", "test device"): old,
+        drafter_cost_key(str(ckpt), f"{current}.e2e2e2e2e2e2.vocab2048", "test device"): new,
+    }))
+    costs = simulate.load_costs(write_profile(tmp_path / "profile.json"))
+    assert costs.drafters[str(ckpt)](1) == pytest.approx(0.002)
