@@ -144,7 +144,7 @@ class Costs:
 def load_costs(profile_path: str | Path) -> Costs:
     from specbench.costs import profile as profiles
     from specbench.engine.loading import default_cache_dir
-    from specbench.costs.schema import DRAFTER_COSTS_FILE, parse_drafter_cost_key, read_profile
+    from specbench.costs.schema import DRAFTER_COSTS_FILE, parse_drafter_cost_key, read_profile, split_cost_digest
 
     path = Path(profile_path)
     if not path.is_file():
@@ -164,8 +164,7 @@ def load_costs(profile_path: str | Path) -> Costs:
             # skip costs of an older checkpoint at the same path when the current one is here to compare with
             name, digest, dev = parse_drafter_cost_key(key)
             current = profiles.drafter_digest(name) if digest else "-"
-            # the digest is the checkpoint's, then the engine's and any variant's after dots (load_or_measure)
-            if digest and current != "-" and digest.partition(".")[0] != current:
+            if digest and current != "-" and split_cost_digest(digest)[0] != current:
                 continue
             if dev == device and isinstance(entries, list) and entries:
                 drafters[name] = profiles.draft_time_model(entries)

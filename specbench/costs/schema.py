@@ -70,6 +70,19 @@ def drafter_cost_key(drafter: str, digest: str, device: str, dtype: str = "float
     return f"{drafter}@{digest}|{device}" + ("" if dtype == "float32" else f"|{dtype}")
 
 
+def cut_vocab_variant(draft_vocab: int) -> str:
+    """The cost variant of a drafter loaded with its draft vocabulary cut to `draft_vocab` tokens
+    (profile.load_or_measure's `variant`; build_dspark's draft_vocab)."""
+    return f"vocab{draft_vocab}"
+
+
+def split_cost_digest(digest: str) -> tuple[str, str]:
+    """(checkpoint digest, variant) of a `drafters.json` key's digest, which load_or_measure writes as
+    checkpoint.engine[.variant]; variant "" when the loaded drafter is the checkpoint as saved."""
+    parts = digest.split(".")
+    return parts[0], ".".join(parts[2:])
+
+
 def parse_drafter_cost_key(key: str) -> tuple[str, str, str]:
     """(drafter, digest, device) of a `drafters.json` key; digest "" for keys written without one."""
     name, _, rest = key.partition("|")

@@ -143,7 +143,7 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     schedulers (algorithm1, capacity), off otherwise. draft_vocab = n > 0: at most the first n of the
     drafter's ranked draft tokens (0: all it was trained with)."""
     from specbench.costs import profile as profiles
-    from specbench.costs.schema import read_profile
+    from specbench.costs.schema import cut_vocab_variant, read_profile
     from specbench.policies.calibration import load_sts
     from specbench.drafters.checkpoints import resolve_checkpoint
     from specbench.drafters.dspark import load_dspark_drafter
@@ -155,9 +155,10 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     # draft_vocab = n > 0: draft from at most the first n of its ranked draft tokens (keep_draft_vocab). A drafter
     # with fewer, or drafting from the whole vocabulary (nothing ranked to cut), is used whole; the records'
     # policy_params give the size it drafted from.
-    cut = int(draft_vocab) > 0 and getattr(model, "vocab_ids", None) is not None and int(draft_vocab) < model.draft_vocab_size
+    n = int(draft_vocab)
+    cut = 0 < n < model.draft_vocab_size and getattr(model, "vocab_ids", None) is not None
     if cut:
-        model.keep_draft_vocab(int(draft_vocab))
+        model.keep_draft_vocab(n)
     temperatures = None  # STS: {sampling temperature: per-position temperatures}
     # STS fitted by `specbench calibrate` lives beside the drafter (a published one: in its directory).
     calibration = (Path(drafter) if is_published(drafter) else resolve_checkpoint(drafter)) / "calibration.json"
@@ -167,7 +168,7 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     if scheduler in ("algorithm1", "capacity"):
         if profile == "auto":
             data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter,
-                                            variant=f"vocab{model.draft_vocab_size}" if cut else "")
+                                            variant=cut_vocab_variant(n) if cut else "")
         else:
             data = read_profile(profile)
         step_seconds = profiles.step_time_model(data)
