@@ -307,7 +307,29 @@ def test_drafter_costs_of_the_current_checkpoint_are_read_and_older_ones_skipped
     new = [{"batch": 1, "median_ms": 2.0}]
     (tmp_path / "drafters.json").write_text(json.dumps({
         drafter_cost_key(str(ckpt), "0ld0ld0ld0ld.e1e1e1e1e1e1", "test device"): old,
-        drafter_cost_key(str(ckpt), f"{current}.e2e2e2e2e2e2.vocab2048", "test device"): new,
+        drafter_cost_key(str(ckpt), f"{current}.e2e2e2e2e2e2", "test device"): new,
     }))
     costs = simulate.load_costs(write_profile(tmp_path / "profile.json"))
     assert costs.drafters[str(ckpt)](1) == pytest.approx(0.002)
+
+
+def test_a_cut_draft_vocabulary_has_its_own_drafter_cost(tmp_path):
+    """Costs of one checkpoint loaded whole and loaded with its draft vocabulary cut (load_or_measure's
+    variant) are kept apart, and a cell's records pick theirs by policy_params' draft_vocab: the cut
+    drafter's cost for a cut run, the whole one's otherwise."""
+    from specbench.costs import profile as profiles
+    from specbench.costs.schema import cut_vocab_variant, drafter_cost_key
+
+    ckpt = tmp_path / "drafter"
+    ckpt.mkdir()
+    (ckpt / "drafter.json").write_text(json.dumps({"format": 1, "kind": "dspark"}))
+    current = profiles.drafter_digest(str(ckpt))
+    (tmp_path / "drafters.json").write_text(json.dumps({
+        drafter_cost_key(str(ckpt), f"{current}.e1e1e1e1e1e1", "test device"): [{"batch": 1, "median_ms": 9.0}],
+        drafter_cost_key(str(ckpt), f"{current}.e1e1e1e1e1e1.{cut_vocab_variant(2)}", "test device"):
+            [{"batch": 1, "median_ms": 3.0}],
+    }))
+    costs = simulate.load_costs(write_profile(tmp_path / "profile.json"))
+    assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 2})(1) == pytest.approx(0.003)
+    assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 8})(1) == pytest.approx(0.009)  # not cut
+    assert simulate.draft_cost(costs, str(ckpt), {})(1) == pytest.approx(0.009)  # records before draft_vocab

@@ -79,6 +79,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from specbench import atomic
+from specbench.costs.schema import cut_vocab_variant
 from specbench.errors import UserError
 
 # torch and the policy code are imported where used: the CLI builds this parser for every command.
@@ -136,7 +137,7 @@ class Costs:
     round: Callable[[int, int], float]  # (rows, q) → one core round
     step: Callable[[int, int], float]  # (rows, q) → one bare verify forward (what DSpark's scheduler reads)
     prefill: Callable[[int, int], float] | None  # (rows, prompt tokens per row) → seconds
-    drafters: dict  # drafter name → (rows → seconds of one drafting round)
+    drafters: dict  # drafter name, or name#variant (a cut draft vocabulary) → (rows → seconds of one drafting round)
     device_name: str
     overheads_modeled: bool
 
@@ -164,10 +165,12 @@ def load_costs(profile_path: str | Path) -> Costs:
             # skip costs of an older checkpoint at the same path when the current one is here to compare with
             name, digest, dev = parse_drafter_cost_key(key)
             current = profiles.drafter_digest(name) if digest else "-"
-            if digest and current != "-" and split_cost_digest(digest)[0] != current:
+            checkpoint, variant = split_cost_digest(digest)
+            if digest and current != "-" and checkpoint != current:
                 continue
             if dev == device and isinstance(entries, list) and entries:
-                drafters[name] = profiles.draft_time_model(entries)
+                # a drafter loaded otherwise than saved (a cut draft vocabulary) costs otherwise: its own entry
+                drafters[f"{name}#{variant}" if variant else name] = profiles.draft_time_model(entries)
     if data.get("draft"):  # a profile from load_or_measure carries its drafter's cost
         drafters.setdefault(data.get("drafter") or "*", profiles.draft_time_model(data["draft"]))
     return Costs(
@@ -395,13 +398,20 @@ def measured(recs: list[dict]) -> dict:
             "measured_requests": len(recs)}
 
 
+def draft_cost(costs: Costs, drafter: str | None, params: dict):
+    """rows → seconds of one drafting round for records of `drafter` run with `params` (policy_params), or
+    None: the cost measured with the records' cut draft vocabulary where there is one, else the drafter's."""
+    cut = costs.drafters.get(f"{drafter}#{cut_vocab_variant(params['draft_vocab'])}") if params.get("draft_vocab") else None
+    return cut or costs.drafters.get(drafter) or (costs.drafters.get("*") if drafter else None)
+
+
 def simulate_cell(recs: list[dict], concurrency: int, mode: str, costs: Costs, *, requests: int | None = None,
                   seed: int = 0) -> dict:
     """Simulate one (policy, workload, temperature) group of source records at one concurrency."""
     first = recs[0]
     params = first.get("policy_params") or {}
     drafter = first.get("drafter")
-    draft_seconds = costs.drafters.get(drafter) or (costs.drafters.get("*") if drafter else None)
+    draft_seconds = draft_cost(costs, drafter, params)
     has_conf = any(r["trace"].get("confidence") for r in recs)
     rescheduled = has_conf and "scheduler" in params
     if rescheduled:
