@@ -439,3 +439,13 @@ def test_build_dspark_leaves_a_whole_vocabulary_drafter_whole(target, trained):
     for n in (0, 3):
         policy = build_dspark(target, drafter=str(trained["dspark"][0]), scheduler="fixed", draft_vocab=n)
         assert policy.params()["draft_vocab"] == V and policy.draft_model.vocab_ids is None
+
+
+@pytest.mark.parametrize("bad", [-3, 1.5, "abc", True])
+def test_build_dspark_refuses_a_draft_vocab_that_is_not_a_count(bad):
+    """draft_vocab from a spec or --param: a whole number >= 0, else one clear error before any loading."""
+    from specbench.errors import UserError
+    from specbench.policies.registry import build_dspark
+
+    with pytest.raises(UserError, match="draft_vocab must be a whole number >= 0"):
+        build_dspark(None, draft_vocab=bad)

@@ -151,14 +151,15 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
 
     from specbench.drafters.formats import is_published, load_drafter_any
 
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0:
+        raise UserError(f"draft_vocab must be a whole number >= 0 (0: all the drafter's draft tokens), got {draft_vocab!r}")
     model = load_drafter_any(drafter, target, ("dspark", "dflash"), load_dspark_drafter)
     # draft_vocab = n > 0: draft from at most the first n of its ranked draft tokens (keep_draft_vocab). A drafter
     # with fewer, or drafting from the whole vocabulary (nothing ranked to cut), is used whole; the records'
     # policy_params give the size it drafted from.
-    n = int(draft_vocab)
-    cut = 0 < n < model.draft_vocab_size and getattr(model, "vocab_ids", None) is not None
+    cut = 0 < draft_vocab < model.draft_vocab_size and getattr(model, "vocab_ids", None) is not None
     if cut:
-        model.keep_draft_vocab(n)
+        model.keep_draft_vocab(draft_vocab)
     temperatures = None  # STS: {sampling temperature: per-position temperatures}
     # STS fitted by `specbench calibrate` lives beside the drafter (a published one: in its directory).
     calibration = (Path(drafter) if is_published(drafter) else resolve_checkpoint(drafter)) / "calibration.json"
@@ -168,7 +169,7 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     if scheduler in ("algorithm1", "capacity"):
         if profile == "auto":
             data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter,
-                                            variant=cut_vocab_variant(n) if cut else "")
+                                            variant=cut_vocab_variant(draft_vocab) if cut else "")
         else:
             data = read_profile(profile)
         step_seconds = profiles.step_time_model(data)
