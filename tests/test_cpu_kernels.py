@@ -553,15 +553,18 @@ def test_a_context_append_on_the_kernels_writes_the_loops_cache(monkeypatch):
     assert fused[0][:, :, :6].abs().sum() > 0
 
 
-@pytest.mark.parametrize("draft_vocab", [40, 0])
-def test_a_drafting_round_in_one_call_gives_the_bits_of_append_and_draft_block(draft_vocab, monkeypatch):
+@pytest.mark.parametrize("draft_vocab,cut_block", [(40, 0), (0, 0), (40, 2)])
+def test_a_drafting_round_in_one_call_gives_the_bits_of_append_and_draft_block(draft_vocab, cut_block, monkeypatch):
     """dspark.FUSED_ROUND: DSparkDrafter.draft_round (a greedy round: the last rounds' features join the
     context, then draft_block) in one kernel call gives the two-call path's tokens, one-hot probs and
     confidence logits bit for bit, and leaves the same context cache and lengths, over ragged rounds and
-    a round with nothing to append. Without a reduced draft vocabulary (F.linear's head) it is not used."""
+    a round with nothing to append; also with the block cut at load time (keep_block). Without a reduced
+    draft vocabulary (F.linear's head) it is not used."""
     from specbench.drafters import dspark
 
     drafter, g = _random_dspark(8, draft_vocab, block=4)
+    if cut_block:
+        drafter.keep_block(cut_block)
     calls = []
     fused_round = cpu_kernels.dspark_round
     monkeypatch.setattr(cpu_kernels, "dspark_round", lambda *a: calls.append(1) or fused_round(*a))
@@ -586,6 +589,7 @@ def test_a_drafting_round_in_one_call_gives_the_bits_of_append_and_draft_block(d
     assert all(torch.equal(a, b) for a, b in zip(cache, ref_cache))
     for (tokens, probs, z), (ref_tokens, ref_probs, ref_z) in zip(outs, ref_outs):
         assert torch.equal(tokens, ref_tokens) and torch.equal(probs, ref_probs) and torch.equal(z, ref_z)
+        assert tokens.shape == (3, cut_block or 4) and z.shape == (3, cut_block or 4)
     assert len(set(torch.cat([o[0] for o in outs]).flatten().tolist())) > 3  # the drafts are not all one token
 
 

@@ -98,6 +98,31 @@ def test_reduced_draft_vocabulary_sampling_matches_target(small, keep):
     _whole_policy_chi_square(target, drafter, 4)
 
 
+def test_a_cut_block_keeps_greedy_identity_and_the_target_distribution(target, small):
+    """keep_block(n) (build_dspark's block): the drafter drafts n slots a round instead of the γ it was
+    trained with, a different proposal that is verified like any other: greedy output equal to AR's
+    (fp32 and bf16) and, sampled, the target's distribution (χ²)."""
+    prompts = random_prompts(8, VOCAB, seed=7)
+    config = SamplingConfig(max_new_tokens=24)
+    for tgt in (target, tiny_model(vocab=VOCAB, seed=0, scale=4.0, dtype=torch.bfloat16)):
+        reference = [generate(tgt, Policy(), [p], config).requests[0].output_ids for p in prompts]
+        drafter = make_drafter(tgt)
+        drafter.keep_block(2)
+        for scheduler in ("fixed", "algorithm1"):
+            pol = policy(drafter, scheduler)
+            assert pol.gamma == 2 and pol.params()["block"] == 2
+            out = [r.output_ids for i in range(0, 8, 4) for r in generate(tgt, pol, prompts[i : i + 4], config).requests]
+            assert out == reference, (tgt.dtype, scheduler)
+    small_target, _ = small
+    drafter = make_drafter(small_target, seed=1, block_size=3, std=0.3)
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="block must be in 1..3"):
+            drafter.keep_block(bad)
+    drafter.keep_block(2)
+    assert drafter.block_size == 2
+    _whole_policy_chi_square(small_target, drafter, 4)
+
+
 def _whole_policy_chi_square(target, drafter, group_size):
     prompt = [1, 3, 2]
     exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)

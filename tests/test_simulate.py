@@ -318,7 +318,7 @@ def test_a_cut_draft_vocabulary_has_its_own_drafter_cost(tmp_path):
     variant) are kept apart, and a cell's records pick theirs by policy_params' draft_vocab: the cut
     drafter's cost for a cut run, the whole one's otherwise."""
     from specbench.costs import profile as profiles
-    from specbench.costs.schema import cut_vocab_variant, drafter_cost_key
+    from specbench.costs.schema import cut_variant, drafter_cost_key
 
     ckpt = tmp_path / "drafter"
     ckpt.mkdir()
@@ -326,10 +326,31 @@ def test_a_cut_draft_vocabulary_has_its_own_drafter_cost(tmp_path):
     current = profiles.drafter_digest(str(ckpt))
     (tmp_path / "drafters.json").write_text(json.dumps({
         drafter_cost_key(str(ckpt), f"{current}.e1e1e1e1e1e1", "test device"): [{"batch": 1, "median_ms": 9.0}],
-        drafter_cost_key(str(ckpt), f"{current}.e1e1e1e1e1e1.{cut_vocab_variant(2)}", "test device"):
+        drafter_cost_key(str(ckpt), f"{current}.e1e1e1e1e1e1.{cut_variant(2)}", "test device"):
             [{"batch": 1, "median_ms": 3.0}],
     }))
     costs = simulate.load_costs(write_profile(tmp_path / "profile.json"))
     assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 2})(1) == pytest.approx(0.003)
     assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 8})(1) == pytest.approx(0.009)  # not cut
     assert simulate.draft_cost(costs, str(ckpt), {})(1) == pytest.approx(0.009)  # records before draft_vocab
+
+
+def test_a_cut_block_has_its_own_drafter_cost(tmp_path):
+    """A drafter loaded with its block cut (build_dspark's block) has its own cost entry, picked by records
+    whose policy_params say block = n, with or without a cut draft vocabulary."""
+    from specbench.costs import profile as profiles
+    from specbench.costs.schema import cut_variant, drafter_cost_key
+
+    ckpt = tmp_path / "drafter"
+    ckpt.mkdir()
+    (ckpt / "drafter.json").write_text(json.dumps({"format": 1, "kind": "dspark"}))
+    current = profiles.drafter_digest(str(ckpt))
+    entry = lambda variant, ms: (drafter_cost_key(str(ckpt), f"{current}.e1e1e1e1e1e1" + (f".{variant}" if variant else ""),  # noqa: E731
+                                                  "test device"), [{"batch": 1, "median_ms": ms}])
+    (tmp_path / "drafters.json").write_text(json.dumps(dict([
+        entry("", 9.0), entry(cut_variant(2), 3.0), entry(cut_variant(2, 4), 2.0), entry(cut_variant(0, 4), 6.0)])))
+    assert cut_variant(2, 4) == "vocab2-block4" and cut_variant(0, 0) == ""
+    costs = simulate.load_costs(write_profile(tmp_path / "profile.json"))
+    assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 2, "block": 4})(1) == pytest.approx(0.002)
+    assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 2, "block": 0})(1) == pytest.approx(0.003)
+    assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 8, "block": 4})(1) == pytest.approx(0.006)

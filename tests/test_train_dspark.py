@@ -441,6 +441,30 @@ def test_build_dspark_leaves_a_whole_vocabulary_drafter_whole(target, trained):
         assert policy.params()["draft_vocab"] == V and policy.draft_model.vocab_ids is None
 
 
+def test_build_dspark_cuts_the_block(target, trained):
+    """build_dspark's block = n: a trained γ-slot drafter drafts n slots a round (keep_block); 0 or n ≥ γ
+    leaves all γ; policy_params record the cut (0: none)."""
+    from specbench.policies.registry import build_dspark
+
+    trained_block = load_dspark_drafter(str(trained["dspark"][0]), target).block_size
+    assert trained_block >= 3
+    for n, gamma, recorded in ((0, trained_block, 0), (trained_block, trained_block, 0),
+                               (trained_block + 2, trained_block, 0), (2, 2, 2)):
+        policy = build_dspark(target, drafter=str(trained["dspark"][0]), scheduler="fixed", block=n)
+        assert policy.gamma == gamma and policy.draft_model.block_size == gamma
+        assert policy.params()["block"] == recorded and policy.params()["gamma"] == gamma
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "four", False])
+def test_build_dspark_refuses_a_block_that_is_not_a_count(bad):
+    """block from a spec or --param: a whole number >= 0, else one clear error before any loading."""
+    from specbench.errors import UserError
+    from specbench.policies.registry import build_dspark
+
+    with pytest.raises(UserError, match="block must be a whole number >= 0"):
+        build_dspark(None, block=bad)
+
+
 @pytest.mark.parametrize("bad", [-3, 1.5, "abc", True])
 def test_build_dspark_refuses_a_draft_vocab_that_is_not_a_count(bad):
     """draft_vocab from a spec or --param: a whole number >= 0, else one clear error before any loading."""

@@ -79,7 +79,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from specbench import atomic
-from specbench.costs.schema import cut_vocab_variant
+from specbench.costs.schema import cut_variant
 from specbench.errors import UserError
 
 # torch and the policy code are imported where used: the CLI builds this parser for every command.
@@ -400,8 +400,13 @@ def measured(recs: list[dict]) -> dict:
 
 def draft_cost(costs: Costs, drafter: str | None, params: dict):
     """rows → seconds of one drafting round for records of `drafter` run with `params` (policy_params), or
-    None: the cost measured with the records' cut draft vocabulary where there is one, else the drafter's."""
-    cut = costs.drafters.get(f"{drafter}#{cut_vocab_variant(params['draft_vocab'])}") if params.get("draft_vocab") else None
+    None: the cost measured with the records' cut draft vocabulary and block where there is one, else the
+    drafter's."""
+    vocab, block = params.get("draft_vocab") or 0, params.get("block") or 0
+    # Records give the size drafted from, cut or not; a drafter whose vocabulary was not cut has its cost
+    # under the block's variant alone.
+    variants = [cut_variant(vocab, block)] + ([cut_variant(0, block)] if block else [])
+    cut = next((costs.drafters[k] for v in variants if v and (k := f"{drafter}#{v}") in costs.drafters), None)
     return cut or costs.drafters.get(drafter) or (costs.drafters.get("*") if drafter else None)
 
 

@@ -70,10 +70,11 @@ def drafter_cost_key(drafter: str, digest: str, device: str, dtype: str = "float
     return f"{drafter}@{digest}|{device}" + ("" if dtype == "float32" else f"|{dtype}")
 
 
-def cut_vocab_variant(draft_vocab: int) -> str:
-    """The cost variant of a drafter loaded with its draft vocabulary cut to `draft_vocab` tokens
-    (profile.load_or_measure's `variant`; build_dspark's draft_vocab)."""
-    return f"vocab{draft_vocab}"
+def cut_variant(draft_vocab: int, block: int = 0) -> str:
+    """The cost variant of a drafter loaded with its draft vocabulary cut to `draft_vocab` tokens and its
+    block cut to `block` slots, each 0 where uncut (profile.load_or_measure's `variant`; build_dspark's
+    draft_vocab and block); "" for the drafter as saved."""
+    return "-".join(([f"vocab{draft_vocab}"] if draft_vocab else []) + ([f"block{block}"] if block else []))
 
 
 def split_cost_digest(digest: str) -> tuple[str, str]:

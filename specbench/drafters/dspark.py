@@ -374,6 +374,20 @@ class DSparkDrafter(nn.Module):
         self.args.draft_vocab = n
         self.pack_weights()
 
+    def keep_block(self, n: int) -> None:
+        """Draft n slots a round (the anchor's and n − 1 mask slots) instead of the γ it was trained with.
+        The block's attention is bidirectional, so the first n drafts are not exactly what the whole block
+        would draft: a different proposal, verified like any other, so the output is the target's at any n.
+        Worth it where a round's cost grows with its rows and the last slots are rarely accepted: on a CPU a
+        round of γ = 7 rows is compute-bound in the GEMV, while 1–4 rows cost one stream of the weights
+        (docs/performance.md "Session 26")."""
+        if not 1 <= n <= self.args.block_size:
+            raise ValueError(f"block must be in 1..{self.args.block_size} for this drafter, got {n}")
+        if n != self.args.block_size:
+            self.args.block_size = n
+            self.block_cut = n  # recorded with the results (DSpark.params)
+            self._forget_round_routes()
+
     def _linear(self, h: Tensor, w: Tensor) -> Tensor:
         if w.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
             w = w.to(h.dtype)

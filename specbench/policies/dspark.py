@@ -99,7 +99,8 @@ class DSpark(Policy):
     def params(self) -> dict:
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
                 "sts": self._sts_params(), "draft_gate": self.gate is not None,
-                "draft_vocab": getattr(self.draft_model, "draft_vocab_size", None)}
+                "draft_vocab": getattr(self.draft_model, "draft_vocab_size", None),
+                "block": getattr(self.draft_model, "block_cut", 0)}
 
     def _sts_params(self) -> list | dict:
         rounded = {t: [round(float(x), 3) for x in v] for t, v in self.sts_by_temperature.items()}

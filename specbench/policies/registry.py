@@ -136,14 +136,15 @@ def build_eagle_chain(target, drafter: str = "drafters/smollm2-135m/eagle", dept
 
 def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
                  threshold: float = 0.5, gamma: int | None = None, profile: str = "auto", calibrated: bool = True,
-                 draft_gate: bool | None = None, draft_vocab: int = 0) -> Policy:
+                 draft_gate: bool | None = None, draft_vocab: int = 0, block: int = 0) -> Policy:
     """DSpark / DFlash over a trained drafter; `profile` is "auto" (this device's cost profile,
     measured once and cached) or a path to a profile json from `specbench profile`. draft_gate
     (policies/dspark.py): skip the drafter while it does not pay; default on with the cost-model
     schedulers (algorithm1, capacity), off otherwise. draft_vocab = n > 0: at most the first n of the
-    drafter's ranked draft tokens (0: all it was trained with)."""
+    drafter's ranked draft tokens (0: all it was trained with). block = n > 0: draft n slots a round instead of
+    the γ it was trained with (keep_block; 0 or n ≥ γ: all γ)."""
     from specbench.costs import profile as profiles
-    from specbench.costs.schema import cut_vocab_variant, read_profile
+    from specbench.costs.schema import cut_variant, read_profile
     from specbench.policies.calibration import load_sts
     from specbench.drafters.checkpoints import resolve_checkpoint
     from specbench.drafters.dspark import load_dspark_drafter
@@ -153,6 +154,8 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
 
     if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0:
         raise UserError(f"draft_vocab must be a whole number >= 0 (0: all the drafter's draft tokens), got {draft_vocab!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+        raise UserError(f"block must be a whole number >= 0 (0: the block the drafter was trained with), got {block!r}")
     model = load_drafter_any(drafter, target, ("dspark", "dflash"), load_dspark_drafter)
     # draft_vocab = n > 0: draft from at most the first n of its ranked draft tokens (keep_draft_vocab). A drafter
     # with fewer, or drafting from the whole vocabulary (nothing ranked to cut), is used whole; the records'
@@ -160,6 +163,9 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     cut = 0 < draft_vocab < model.draft_vocab_size and getattr(model, "vocab_ids", None) is not None
     if cut:
         model.keep_draft_vocab(draft_vocab)
+    block_cut = 0 < block < model.block_size
+    if block_cut:
+        model.keep_block(block)
     temperatures = None  # STS: {sampling temperature: per-position temperatures}
     # STS fitted by `specbench calibrate` lives beside the drafter (a published one: in its directory).
     calibration = (Path(drafter) if is_published(drafter) else resolve_checkpoint(drafter)) / "calibration.json"
@@ -169,7 +175,7 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     if scheduler in ("algorithm1", "capacity"):
         if profile == "auto":
             data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter,
-                                            variant=cut_vocab_variant(draft_vocab) if cut else "")
+                                            variant=cut_variant(draft_vocab if cut else 0, block if block_cut else 0))
         else:
             data = read_profile(profile)
         step_seconds = profiles.step_time_model(data)
