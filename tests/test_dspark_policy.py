@@ -355,3 +355,84 @@ def test_draft_gate_judges_by_what_the_scheduler_admits():
 def policy_gate(scheduler):
     drafter = make_drafter(tiny_model(vocab=VOCAB, seed=0), seed=1)
     return DSpark(drafter, scheduler=scheduler, step_seconds=linear_cost, draft_gate=True).gate
+
+
+def _lookup_spy(pol):
+    """Counts the rounds _with_lookups built without a drafter call and with one (mixed rows)."""
+    seen = {"free": 0, "mixed": 0}
+    original = pol._with_lookups
+
+    def spy(drafted, state):
+        seen["free" if drafted is None else "mixed"] += 1
+        return original(drafted, state)
+
+    pol._with_lookups = spy
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lookup_drafts_keep_greedy_identity(request, dtype):
+    """lookup_ngram (policies/dspark.py, "Lookup drafts"): rows whose last tokens occur earlier verify the
+    tokens that followed instead of the drafted block; rounds where every row has one (or the draft gate
+    skips) make no drafter call. Greedy output equals AR's at b = 1 and 4, with and without the gate."""
+    target = request.getfixturevalue("target" if dtype == "fp32" else "target_bf16")
+    prompts = [[5, 6, 7, 8] * 4, [9, 10] * 6, [3, 1, 4, 1, 5, 9, 2, 6]] + random_prompts(5, VOCAB, seed=3)
+    config = SamplingConfig(max_new_tokens=32)
+    reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
+    cheap = lambda rows, q: 0.010 + 0.0001 * rows * q  # noqa: E731
+    for draft_cost in (0.0, 100.0):  # the gate never skips / skips with back-off
+        for batch_size in (1, 4):
+            pol = DSpark(make_drafter(target, seed=2), scheduler="algorithm1", step_seconds=cheap,
+                         draft_seconds=lambda rows: draft_cost, sts_temperatures=[1.3, 0.8, 1.0, 1.1], draft_gate=True,
+                         lookup_ngram=1, lookup_k=3)
+            assert pol.params()["lookup_ngram"] == 1 and pol.max_draft == 4
+            seen = _lookup_spy(pol)
+            out = [r for i in range(0, len(prompts), batch_size)
+                   for r in generate(target, pol, prompts[i : i + batch_size], config).requests]
+            assert [r.output_ids for r in out] == reference, (draft_cost, batch_size)
+            assert seen["free"] > 0, "no round went without the drafter"
+            if batch_size == 4 and draft_cost == 0.0:
+                assert seen["mixed"] > 0, "no round mixed lookup rows with drafted ones"
+            # lookup rounds without a drafter call verify drafts but record no confidences
+            assert any(v > 0 and not c for r in out for v, c in zip(r.trace_verify_len, r.trace_confidence))
+    with pytest.raises(ValueError, match="lookup_ngram"):
+        DSpark(make_drafter(target), scheduler="fixed", lookup_ngram=-1)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("draft_cost", [0.0, 100.0])
+def test_lookup_drafts_sampling_matches_target(small, draft_cost, broken):
+    """χ² at T = 1 with lookup drafts mixed into drafted rounds (draft cost 0: rows with a match verify
+    their one-hot lookup draft beside rows verifying drafted blocks) and in rounds the gate skips (a
+    ruinous draft cost): the distribution stays the target's. Negative control (broken): the lookup rows
+    claim a uniform draft distribution instead of their one-hot one, and the same test rejects it."""
+    target, drafter = small
+    prompt = [1, 3, 2]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    pol = DSpark(drafter, scheduler="algorithm1", step_seconds=lambda rows, q: 0.01 + 0.0001 * rows * q,
+                 draft_seconds=lambda rows: draft_cost, sts_temperatures=[1.5, 0.7, 1.0], group_size=4,
+                 draft_gate=True, lookup_ngram=1, lookup_k=2)
+    seen = _lookup_spy(pol)
+    if broken:
+        honest = pol._with_lookups
+
+        def lying(drafted, state):
+            draft = honest(drafted, state)
+            b, k = draft.tokens.shape
+            probs = draft.probs if draft.probs is not None else torch.zeros(b, k, SMALL_VOCAB)
+            probs[sorted(pol.lookups)] = 1.0 / SMALL_VOCAB
+            draft.probs = probs
+            return draft
+
+        pol._with_lookups = lying
+    config = SamplingConfig(max_new_tokens=N_TOKENS, temperature=1.0, seed=321)
+    result = generate(target, pol, [prompt] * N_SAMPLES, config)
+    assert seen["free" if draft_cost else "mixed"] > 0
+    counts = {}
+    for r in result.requests:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    pvalue, tv = chi_square(exact, counts)
+    if broken:
+        assert pvalue < 1e-6 and tv > 0.05, f"the broken lookup drafts were not caught (p={pvalue:.2e}, TV={tv:.4f})"
+    else:
+        assert pvalue > 1e-3, f"DSpark with lookup drafts differs (p={pvalue:.2e}, TV={tv:.4f})"

@@ -473,3 +473,14 @@ def test_build_dspark_refuses_a_draft_vocab_that_is_not_a_count(bad):
 
     with pytest.raises(UserError, match="draft_vocab must be a whole number >= 0"):
         build_dspark(None, draft_vocab=bad)
+
+
+@pytest.mark.parametrize("name,bad,least", [("lookup_ngram", -1, 0), ("lookup_ngram", 2.5, 0), ("lookup_k", 0, 1),
+                                            ("lookup_k", "six", 1), ("lookup_k", True, 1)])
+def test_build_dspark_refuses_lookup_settings_that_are_not_counts(name, bad, least):
+    """lookup_ngram / lookup_k from a spec or --param: whole numbers (>= 0, >= 1), else one clear error."""
+    from specbench.errors import UserError
+    from specbench.policies.registry import build_dspark
+
+    with pytest.raises(UserError, match=f"{name} must be a whole number >= {least}"):
+        build_dspark(None, **{name: bad})

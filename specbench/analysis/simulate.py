@@ -30,6 +30,8 @@ changes: a round emits accepted + 1 tokens, cut at G. (Sampled records keep thei
       positions decided this way; everything else is measured.
   Round-indexed replay ignores that a row which advances faster meets different text; the
   confidences and outcomes are those of the recorded rounds, in order.
+  DSpark with lookup drafts (``policy_params.lookup_ngram``) replays its recorded rounds like the
+  policies above: which rows find a lookup depends on the text, which the records do not replay.
 
 What a round costs (b = rows in the forward, q = 1 + the longest ℓ among them: the core verifies a
 right-padded [b, q] batch):
@@ -418,7 +420,7 @@ def simulate_cell(recs: list[dict], concurrency: int, mode: str, costs: Costs, *
     drafter = first.get("drafter")
     draft_seconds = draft_cost(costs, drafter, params)
     has_conf = any(r["trace"].get("confidence") for r in recs)
-    rescheduled = has_conf and "scheduler" in params
+    rescheduled = has_conf and "scheduler" in params and not params.get("lookup_ngram")
     if rescheduled:
         gamma = int(params.get("gamma") or max(len(c) for r in recs for c in r["trace"]["confidence"]))
 

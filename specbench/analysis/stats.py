@@ -50,7 +50,9 @@ Conventions (the report and the README quote these):
 * **Draft gate** (DSpark, ``policy_params.draft_gate``): rounds whose trace ``confidence`` is
   ``[]`` were decoded without drafting because the gate judged drafting would not pay on the
   device's cost profile; ``gate_skipped`` / ``rounds_traced`` count them and the note says so (a
-  τ of 1 then means "did not draft", not "drafted badly").
+  τ of 1 then means "did not draft", not "drafted badly"). A round with ``[]`` that verified drafts
+  all the same took prompt-lookup drafts only (``policy_params.lookup_ngram``): ``lookup_only``
+  counts those, and they are not gated.
 """
 
 from __future__ import annotations
@@ -484,17 +486,28 @@ def stall_note(ratio: pd.Series, who: str = "", prompts: pd.Series | None = None
             f"{which}): timings untrustworthy, rerun on an idle machine")
 
 
-def gate_counts(d: pd.DataFrame) -> tuple[int, int]:
-    """(rounds with a confidence trace, rounds the draft gate skipped) of one cell's records."""
+def round_kinds(d: pd.DataFrame) -> tuple[int, int, int]:
+    """(rounds with a confidence trace, rounds the draft gate skipped, rounds that verified lookup drafts
+    without a drafter call) of one cell's records: a round without confidences skipped the drafter; it
+    was gated when it verified nothing."""
     if "trace" not in d:
-        return 0, 0
-    rounds = skipped = 0
+        return 0, 0, 0
+    rounds = skipped = lookup_only = 0
     for t in d["trace"]:
         conf = t.get("confidence") if isinstance(t, dict) else None
         if isinstance(conf, list):
+            verify = t.get("verify_len") or [0] * len(conf)
             rounds += len(conf)
-            skipped += sum(1 for c in conf if not c)
-    return rounds, skipped
+            skipped += sum(1 for c, v in zip(conf, verify) if not c and not v)
+            lookup_only += sum(1 for c, v in zip(conf, verify) if not c and v)
+    return rounds, skipped, lookup_only
+
+
+def lookup_note(rounds: int, lookup_only: int) -> str:
+    if not lookup_only:
+        return ""
+    return (f"{lookup_only} of {rounds} rounds ({100 * lookup_only / rounds:.0f}%) verified prompt-lookup drafts "
+            "without a drafter call")
 
 
 def gate_note(d: pd.DataFrame, rounds: int, skipped: int, batch_size) -> str:
@@ -599,8 +612,9 @@ def summarize(
         if base is not None:  # the paired speedup divides by the baseline's timings too
             notes.append(stall_note(stall[base.index], f"{baseline}: ", base["prompt_id"]))
         row["timing_suspect"] = any(n and "stalled" in n for n in notes)
-        row["rounds_traced"], row["gate_skipped"] = gate_counts(d)
+        row["rounds_traced"], row["gate_skipped"], lookup_only = round_kinds(d)
         notes.append(gate_note(d, row["rounds_traced"], row["gate_skipped"], cell["batch_size"]))
+        notes.append(lookup_note(row["rounds_traced"], lookup_only))
         row["note"] = "; ".join(dict.fromkeys(n for n in notes if n))
         rows.append(row)
     order = cols + [

@@ -462,8 +462,9 @@ def run_notes(recs: list[dict], batch_size: int) -> list[str]:
         if c not in df:
             df[c] = None
     notes = [stats.stall_note(stats.stalled_requests(df), prompts=df.get("prompt_id"))]
-    rounds, skipped = stats.gate_counts(df)
+    rounds, skipped, lookup_only = stats.round_kinds(df)
     notes.append(stats.gate_note(df, rounds, skipped, batch_size))
+    notes.append(stats.lookup_note(rounds, lookup_only))
     return [n for n in notes if n]
 
 

@@ -31,6 +31,16 @@ so it is lossless for the same reason as the production variant's stale capacity
 While rounds are skipped, their target features wait and join the draft context in one append
 when drafting resumes (only a drafted round reads the context): a skipped round then costs what
 an `ar` step costs, plus keeping the features.
+
+Lookup drafts (specbench's addition, `lookup_ngram = n`, off by default): before drafting, look up
+each active row's last n..max(n, 3) tokens earlier in its prompt + output (prompt lookup,
+specbench/policies/pld.py). A row that finds a match verifies the `lookup_k` tokens that followed it
+instead of its drafted block. When every active row finds one, or the draft gate skips the round, the
+drafter does not run at all. On a 2-core CPU, where a drafting round is a good part of a target step
+and DSpark's drafter is weak, such free drafts pay on code and chat alike (docs/performance.md
+"Session 27"). Which rows take a lookup draft depends only on committed tokens, and a lookup draft is
+deterministic (one-hot), so verification stays exact. The features of a round without a drafter call
+wait for the next drafted round, as a skipped round's do; the draft gate judges drafted rounds only.
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ from torch import Tensor
 from specbench.policies.calibration import nearest_fit
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
+from specbench.policies.pld import lookup
 from specbench.policies.scheduler import (algorithm1_admit, algorithm1_lengths, best_capacity, capacity_lengths,
                                           fixed_lengths, prefix_survival, threshold_lengths)
 
@@ -55,7 +66,8 @@ class DSpark(Policy):
     def __init__(self, draft_model, scheduler: str = "algorithm1", threshold: float = 0.5,
                  sts_temperatures: list[float] | dict[float, list[float]] | None = None, step_seconds=None, draft_seconds=None,
                  max_length: int | None = None,
-                 drafter_name: str | None = None, group_size: int | None = None, draft_gate: bool = False):
+                 drafter_name: str | None = None, group_size: int | None = None, draft_gate: bool = False,
+                 lookup_ngram: int = 0, lookup_k: int = 4):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r} (valid: {', '.join(SCHEDULERS)})")
         if scheduler != "fixed" and draft_model.args.confidence_head is False:
@@ -67,7 +79,11 @@ class DSpark(Policy):
         self.scheduler = scheduler
         self.threshold = threshold
         self.gamma = draft_model.block_size if max_length is None else min(max_length, draft_model.block_size)
-        self.max_draft = self.gamma
+        if lookup_ngram < 0 or (lookup_ngram and lookup_k < 1):
+            raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
+        self.lookup_ngram, self.lookup_k = lookup_ngram, lookup_k  # module docstring, "Lookup rounds"
+        self.max_draft = max(self.gamma, lookup_k if lookup_ngram else 0)
+        self.lookups: dict[int, list[int]] = {}  # this round's lookup drafts by row (schedule keeps their lengths)
         self.target_taps = tuple(draft_model.args.tap_layers)
         # STS temperatures, one set per sampling temperature they were fitted at (calibration.py::
         # load_sts); a plain list serves every temperature.
@@ -100,7 +116,8 @@ class DSpark(Policy):
         return {"scheduler": self.scheduler, "gamma": self.gamma, "threshold": self.threshold,
                 "sts": self._sts_params(), "draft_gate": self.gate is not None,
                 "draft_vocab": getattr(self.draft_model, "draft_vocab_size", None),
-                "block": getattr(self.draft_model, "block_cut", 0)}
+                "block": getattr(self.draft_model, "block_cut", 0),
+                **({"lookup_ngram": self.lookup_ngram, "lookup_k": self.lookup_k} if self.lookup_ngram else {})}
 
     def _sts_params(self) -> list | dict:
         rounded = {t: [round(float(x), 3) for x in v] for t, v in self.sts_by_temperature.items()}
@@ -128,8 +145,12 @@ class DSpark(Policy):
 
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft | None:
-        if self.gate is not None and self.gate.skip():  # a plain decode step (the core verifies nothing)
-            return None
+        self.lookups = self._lookups(state)  # row -> lookup draft (module docstring, "Lookup drafts")
+        active = state.active.tolist()
+        if self.lookups and len(self.lookups) == sum(active):  # every active row has one: no drafter call
+            return self._with_lookups(None, state)
+        if self.gate is not None and self.gate.skip():  # a plain decode step, bar the rows with a lookup draft
+            return self._with_lookups(None, state) if self.lookups else None
         features, counts = self._pending_features()
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
         # The context append and the block in one call (draft_round): the committed tokens' features
@@ -144,20 +165,70 @@ class DSpark(Policy):
             raw = conf_logits[:, : self.gamma].float()  # the core records them for STS calibration
             confidence = torch.sigmoid(raw / self.batch_sts)
             if self.gate is not None:
-                active = state.active.tolist()
                 admitted = self.gate.update(confidence, active)
                 # What Algorithm 1 admits for these confidences, rows and lengths (the gate's own
                 # question); _schedule takes it instead of running the same search again.
                 self._admitted = (confidence, active, admitted)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide (no probs drafted).
-        return Draft(tokens=tokens, probs=probs, lengths=lengths,
-                     confidence=confidence, confidence_logits=raw)
+        draft = Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=confidence, confidence_logits=raw)
+        return self._with_lookups(draft, state) if self.lookups else draft
+
+    def _lookups(self, state: BatchState) -> dict[int, list[int]]:
+        if not self.lookup_ngram:
+            return {}
+        found = {}
+        for r, on in enumerate(state.active.tolist()):
+            if on:
+                follow = lookup(state.row(r), self.lookup_k, self.lookup_ngram, max(self.lookup_ngram, 3))
+                if follow:
+                    found[r] = follow
+        return found
+
+    def _with_lookups(self, drafted: Draft | None, state: BatchState) -> Draft:
+        """The round's draft with each looked-up row's lookup draft in place of its drafted block (of
+        every row's, rows without one verifying nothing, when `drafted` is None). A lookup draft is
+        one-hot: at T > 0 its rows of the drafted distributions become one-hot on its tokens."""
+        b, device = state.batch_size, state.tokens.device
+        width = max(self.lookup_k, drafted.tokens.shape[1] if drafted is not None else 0)
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        lengths = torch.zeros(b, dtype=torch.long)
+        if drafted is not None:
+            tokens[:, : drafted.tokens.shape[1]] = drafted.tokens.cpu()
+            lengths[:] = drafted.lengths.cpu()
+        rows = sorted(self.lookups)
+        for r in rows:
+            follow = self.lookups[r]
+            tokens[r] = 0
+            tokens[r, : len(follow)] = torch.tensor(follow, dtype=torch.long)
+            lengths[r] = len(follow)
+        tokens, lengths = tokens.to(device), lengths.to(device)
+        if drafted is None:
+            return Draft(tokens=tokens, probs=None, lengths=lengths)
+        probs = drafted.probs
+        if probs is not None:
+            probs = torch.cat([probs, probs.new_zeros(b, width - probs.shape[1], probs.shape[2])], dim=1)
+            probs[rows] = torch.nn.functional.one_hot(tokens[rows], probs.shape[2]).to(probs.dtype)
+        return Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=drafted.confidence,
+                     confidence_logits=drafted.confidence_logits)
 
     def _sps(self, b: int, n: int):
         return rounds_per_second(self.step_seconds, self.draft_seconds, b, n)
 
     def schedule(self, draft: Draft, state: BatchState) -> Tensor:
+        if self.lookups:  # a row with a lookup draft verifies all of it, as `pld` does; the others as scheduled
+            rows = torch.tensor(sorted(self.lookups), device=draft.lengths.device)
+            if draft.confidence is None:  # no drafter call this round
+                return draft.lengths * state.active
+            # The scheduler sees every row's drafted block (the confidences are the block's).
+            drafted = Draft(tokens=draft.tokens[:, : self.gamma], probs=None, lengths=draft.lengths.clamp(max=self.gamma),
+                            confidence=draft.confidence)
+            lengths = self._schedule_drafted(drafted, state)
+            lengths[rows] = draft.lengths[rows]
+            return lengths * state.active
+        return self._schedule_drafted(draft, state)
+
+    def _schedule_drafted(self, draft: Draft, state: BatchState) -> Tensor:
         if self.group_size:  # schedule consecutive groups of rows as if each were its own batch
             parts = []
             for start in range(0, state.batch_size, self.group_size):

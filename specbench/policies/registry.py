@@ -136,13 +136,16 @@ def build_eagle_chain(target, drafter: str = "drafters/smollm2-135m/eagle", dept
 
 def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
                  threshold: float = 0.5, gamma: int | None = None, profile: str = "auto", calibrated: bool = True,
-                 draft_gate: bool | None = None, draft_vocab: int = 0, block: int = 0) -> Policy:
+                 draft_gate: bool | None = None, draft_vocab: int = 0, block: int = 0, lookup_ngram: int = 0,
+                 lookup_k: int = 4) -> Policy:
     """DSpark / DFlash over a trained drafter; `profile` is "auto" (this device's cost profile,
     measured once and cached) or a path to a profile json from `specbench profile`. draft_gate
     (policies/dspark.py): skip the drafter while it does not pay; default on with the cost-model
     schedulers (algorithm1, capacity), off otherwise. draft_vocab = n > 0: at most the first n of the
     drafter's ranked draft tokens (0: all it was trained with). block = n > 0: draft n slots a round instead of
-    the γ it was trained with (keep_block; 0 or n ≥ γ: all γ)."""
+    the γ it was trained with (keep_block; 0 or n ≥ γ: all γ). lookup_ngram = n > 0: a round where every row's
+last n tokens occur earlier in it verifies the lookup_k tokens that followed instead of a drafted block
+(policies/dspark.py, "Lookup rounds"; 0: off)."""
     from specbench.costs import profile as profiles
     from specbench.costs.schema import cut_variant, read_profile
     from specbench.policies.calibration import load_sts
@@ -156,6 +159,9 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
         raise UserError(f"draft_vocab must be a whole number >= 0 (0: all the drafter's draft tokens), got {draft_vocab!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 0:
         raise UserError(f"block must be a whole number >= 0 (0: the block the drafter was trained with), got {block!r}")
+    for name, value, least in (("lookup_ngram", lookup_ngram, 0), ("lookup_k", lookup_k, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UserError(f"{name} must be a whole number >= {least}, got {value!r}")
     model = load_drafter_any(drafter, target, ("dspark", "dflash"), load_dspark_drafter)
     # draft_vocab = n > 0: draft from at most the first n of its ranked draft tokens (keep_draft_vocab). A drafter
     # with fewer, or drafting from the whole vocabulary (nothing ranked to cut), is used whole; the records'
@@ -183,4 +189,5 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
             draft_seconds = profiles.draft_time_model(data["draft"])
     return DSpark(model, scheduler=scheduler, threshold=threshold, sts_temperatures=temperatures,
                   step_seconds=step_seconds, draft_seconds=draft_seconds, max_length=gamma, drafter_name=drafter,
-                  draft_gate=(scheduler in ("algorithm1", "capacity")) if draft_gate is None else draft_gate)
+                  draft_gate=(scheduler in ("algorithm1", "capacity")) if draft_gate is None else draft_gate,
+                  lookup_ngram=lookup_ngram, lookup_k=lookup_k)
