@@ -380,23 +380,54 @@ def test_lookup_drafts_keep_greedy_identity(request, dtype):
     config = SamplingConfig(max_new_tokens=32)
     reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
     cheap = lambda rows, q: 0.010 + 0.0001 * rows * q  # noqa: E731
-    for draft_cost in (0.0, 100.0):  # the gate never skips / skips with back-off
+    for scheduler, draft_cost in (("algorithm1", 0.0), ("algorithm1", 100.0), ("fixed", 0.0)):  # gate never / often skips
         for batch_size in (1, 4):
-            pol = DSpark(make_drafter(target, seed=2), scheduler="algorithm1", step_seconds=cheap,
-                         draft_seconds=lambda rows: draft_cost, sts_temperatures=[1.3, 0.8, 1.0, 1.1], draft_gate=True,
-                         lookup_ngram=1, lookup_k=3)
+            pol = DSpark(make_drafter(target, seed=2), scheduler=scheduler, step_seconds=cheap,
+                         draft_seconds=lambda rows: draft_cost, sts_temperatures=[1.3, 0.8, 1.0, 1.1],
+                         draft_gate=scheduler == "algorithm1", lookup_ngram=1, lookup_k=3)
             assert pol.params()["lookup_ngram"] == 1 and pol.max_draft == 4
             seen = _lookup_spy(pol)
             out = [r for i in range(0, len(prompts), batch_size)
                    for r in generate(target, pol, prompts[i : i + batch_size], config).requests]
-            assert [r.output_ids for r in out] == reference, (draft_cost, batch_size)
+            assert [r.output_ids for r in out] == reference, (scheduler, draft_cost, batch_size)
+            assert pol.lookup_outcomes[0][0] > 0 and pol.lookup_outcomes[0][1] > 0
             assert seen["free"] > 0, "no round went without the drafter"
-            if batch_size == 4 and draft_cost == 0.0:
+            if batch_size == 4 and draft_cost == 0.0 and scheduler == "algorithm1":
                 assert seen["mixed"] > 0, "no round mixed lookup rows with drafted ones"
             # lookup rounds without a drafter call verify drafts but record no confidences
             assert any(v > 0 and not c for r in out for v, c in zip(r.trace_verify_len, r.trace_confidence))
     with pytest.raises(ValueError, match="lookup_ngram"):
         DSpark(make_drafter(target), scheduler="fixed", lookup_ngram=-1)
+
+
+def test_lookup_drafts_are_scheduled_by_their_past_acceptance_and_the_cost(target):
+    """With Algorithm 1 a lookup draft's confidences are the acceptance rates of earlier lookup drafts,
+    position by position: where verifying is free every lookup draft is verified whole; where each
+    verified token doubles a round's cost, none is."""
+    prompts = [[5, 6, 7, 8] * 4, [9, 10] * 6]
+    config = SamplingConfig(max_new_tokens=24)
+    for step, whole in ((lambda rows, q: 0.01, True), (lambda rows, q: 0.01 * 2.0 ** q, False)):
+        pol = DSpark(make_drafter(target, seed=2), scheduler="algorithm1", step_seconds=step,
+                     sts_temperatures=[1.3, 0.8, 1.0, 1.1], lookup_ngram=1, lookup_k=3)
+        survival = pol.lookup_survival()
+        assert survival == pytest.approx([0.5, 0.25, 0.125])  # the Beta(1, 1) prior before any outcome
+        lengths = []
+        spy = pol.schedule
+
+        def schedule(draft, state):
+            out = spy(draft, state)
+            lengths.extend(out[r].item() for r in pol.lookups)
+            return out
+
+        pol.schedule = schedule
+        out = generate(target, pol, prompts, config).requests
+        assert lengths, "no lookup draft was scheduled"
+        if whole:
+            assert all(n > 0 for n in lengths) and sum(r.accepted for r in out) > 0
+            verified, accepted = pol.lookup_outcomes[0]
+            assert pol.lookup_survival()[0] == pytest.approx((accepted + 1) / (verified + 2))
+        else:
+            assert set(lengths) == {0} and pol.lookup_outcomes[0][0] == 0
 
 
 @pytest.mark.parametrize("broken", [False, True])

@@ -34,9 +34,12 @@ an `ar` step costs, plus keeping the features.
 
 Lookup drafts (specbench's addition, `lookup_ngram = n`, off by default): before drafting, look up
 each active row's last n..max(n, 3) tokens earlier in its prompt + output (prompt lookup,
-specbench/policies/pld.py). A row that finds a match verifies the `lookup_k` tokens that followed it
+specbench/policies/pld.py). A row that finds a match drafts the `lookup_k` tokens that followed it
 instead of its drafted block. When every active row finds one, or the draft gate skips the round, the
-drafter does not run at all. On a 2-core CPU, where a drafting round is a good part of a target step
+drafter does not run at all. With Algorithm 1 a lookup draft is scheduled with the drafted rows, its
+per-position confidence the acceptance rate of lookup drafts at that position in earlier rounds (a
+Beta(1, 1) prior); with the other schedulers it is verified whole. The draft gate judges the drafter
+by the rows that use its drafts. On a 2-core CPU, where a drafting round is a good part of a target step
 and DSpark's drafter is weak, such free drafts pay on code and chat alike (docs/performance.md
 "Session 27"). Which rows take a lookup draft depends only on committed tokens, and a lookup draft is
 deterministic (one-hot), so verification stays exact. The features of a round without a drafter call
@@ -52,7 +55,7 @@ from torch import Tensor
 from specbench.policies.calibration import nearest_fit
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
-from specbench.policies.pld import lookup
+from specbench.policies.pld import LookupIndex
 from specbench.policies.scheduler import (algorithm1_admit, algorithm1_lengths, best_capacity, capacity_lengths,
                                           fixed_lengths, prefix_survival, threshold_lengths)
 
@@ -81,7 +84,11 @@ class DSpark(Policy):
         self.gamma = draft_model.block_size if max_length is None else min(max_length, draft_model.block_size)
         if lookup_ngram < 0 or (lookup_ngram and lookup_k < 1):
             raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
-        self.lookup_ngram, self.lookup_k = lookup_ngram, lookup_k  # module docstring, "Lookup rounds"
+        self.lookup_ngram, self.lookup_k = lookup_ngram, lookup_k  # module docstring, "Lookup drafts"
+        # Per position j of a lookup draft: [rounds that verified it, rounds that accepted it] (observe),
+        # over every batch this policy decoded: the confidence Algorithm 1 schedules lookup drafts by.
+        self.lookup_outcomes = [[0, 0] for _ in range(lookup_k)]
+        self.lookup_verified: dict[int, int] = {}  # this round's scheduled length of each lookup row
         self.max_draft = max(self.gamma, lookup_k if lookup_ngram else 0)
         self.lookups: dict[int, list[int]] = {}  # this round's lookup drafts by row (schedule keeps their lengths)
         self.target_taps = tuple(draft_model.args.tap_layers)
@@ -133,6 +140,7 @@ class DSpark(Policy):
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
+        self.lookup_indexes = [LookupIndex(self.lookup_ngram, max(self.lookup_ngram, 3)) for _ in range(b)] if self.lookup_ngram else []
         # Target features of committed tokens not yet in the draft context: only a drafted round reads
         # the context, so the next drafting round appends them (the last round's, and those of rounds
         # the draft gate skipped, in one call: _pending_features).
@@ -165,10 +173,12 @@ class DSpark(Policy):
             raw = conf_logits[:, : self.gamma].float()  # the core records them for STS calibration
             confidence = torch.sigmoid(raw / self.batch_sts)
             if self.gate is not None:
-                admitted = self.gate.update(confidence, active)
+                # Judged by the rows that take the drafter's block (lookup rows verify their own draft).
+                judged = [on and r not in self.lookups for r, on in enumerate(active)]
+                admitted = self.gate.update(confidence, judged)
                 # What Algorithm 1 admits for these confidences, rows and lengths (the gate's own
                 # question); _schedule takes it instead of running the same search again.
-                self._admitted = (confidence, active, admitted)
+                self._admitted = (confidence, judged, admitted)
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide (no probs drafted).
         draft = Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=confidence, confidence_logits=raw)
@@ -180,7 +190,7 @@ class DSpark(Policy):
         found = {}
         for r, on in enumerate(state.active.tolist()):
             if on:
-                follow = lookup(state.row(r), self.lookup_k, self.lookup_ngram, max(self.lookup_ngram, 3))
+                follow = self.lookup_indexes[r].find(state.row(r), self.lookup_k)
                 if follow:
                     found[r] = follow
         return found
@@ -216,17 +226,60 @@ class DSpark(Policy):
         return rounds_per_second(self.step_seconds, self.draft_seconds, b, n)
 
     def schedule(self, draft: Draft, state: BatchState) -> Tensor:
-        if self.lookups:  # a row with a lookup draft verifies all of it, as `pld` does; the others as scheduled
-            rows = torch.tensor(sorted(self.lookups), device=draft.lengths.device)
-            if draft.confidence is None:  # no drafter call this round
-                return draft.lengths * state.active
-            # The scheduler sees every row's drafted block (the confidences are the block's).
+        if not self.lookups:
+            self.lookup_verified = {}
+            return self._schedule_drafted(draft, state)
+        rows = sorted(self.lookups)
+        if self.scheduler == "algorithm1":
+            size = self.group_size or state.batch_size  # scheduling groups, as _schedule_drafted
+            parts = [self._schedule_with_lookups(draft, state, range(start, min(start + size, state.batch_size)))
+                     for start in range(0, state.batch_size, size)]
+            lengths = torch.cat(parts)
+        elif draft.confidence is None:  # no drafter call this round: the lookup rows verify their drafts whole
+            lengths = draft.lengths * state.active
+        else:  # the scheduler sees every row's drafted block (its confidences are the block's)
             drafted = Draft(tokens=draft.tokens[:, : self.gamma], probs=None, lengths=draft.lengths.clamp(max=self.gamma),
                             confidence=draft.confidence)
             lengths = self._schedule_drafted(drafted, state)
             lengths[rows] = draft.lengths[rows]
-            return lengths * state.active
-        return self._schedule_drafted(draft, state)
+            lengths = lengths * state.active
+        verified = lengths.tolist()
+        self.lookup_verified = {r: verified[r] for r in rows}
+        return lengths
+
+    def lookup_survival(self) -> list[float]:
+        """Prefix survival of a lookup draft, position by position, from earlier rounds' outcomes."""
+        survival, alive = [], 1.0
+        for verified, accepted in self.lookup_outcomes:
+            alive *= (accepted + 1) / (verified + 2)
+            survival.append(alive)
+        return survival
+
+    def _schedule_with_lookups(self, draft: Draft, state: BatchState, group: range) -> Tensor:
+        """Algorithm 1 over one scheduling group's drafted and lookup rows together (the group's lengths).
+        A lookup row's confidences come from earlier rounds' outcomes (lookup_survival), never from its
+        current draft, so the early stop keeps the search lossless as for drafted rows (docs/dspark.md §4.3)."""
+        active = state.active.tolist()
+        on = [r for r in group if active[r]]
+        drafted = draft.confidence is not None
+        block = prefix_survival(draft.confidence[group.start : group.stop].float()).tolist() if drafted else None
+        lookup_survival = self.lookup_survival()
+        survival, limits = [], []
+        for r in on:
+            if r in self.lookups:
+                survival.append(lookup_survival)
+                limits.append(len(self.lookups[r]))
+            else:
+                survival.append(block[r - group.start] if drafted else [])
+                limits.append(self.gamma if drafted else 0)
+        lengths = [0] * len(group)
+        if on:
+            draft_seconds = self.draft_seconds if drafted else (lambda rows: 0.0)
+            sps = rounds_per_second(self.step_seconds, draft_seconds, len(group), len(on))
+            admitted, _ = algorithm1_admit(survival, limits, sps, early_stop=True, padded=True)
+            for r, length in zip(on, admitted):
+                lengths[r - group.start] = length
+        return torch.tensor(lengths, dtype=draft.lengths.dtype, device=draft.lengths.device)
 
     def _schedule_drafted(self, draft: Draft, state: BatchState) -> Tensor:
         if self.group_size:  # schedule consecutive groups of rows as if each were its own batch
@@ -276,6 +329,8 @@ class DSpark(Policy):
         return out
 
     def observe(self, state: BatchState, accepted: Tensor, verify_features: Tensor | None) -> None:
+        if self.lookup_verified:
+            self._count_lookup_outcomes(state, accepted)
         # The anchor and the accepted drafts are now committed: their target features join the context.
         counts = (accepted + 1) * state.active
         width = int(counts.max()) if len(counts) else 0
@@ -285,6 +340,19 @@ class DSpark(Policy):
         # Appended by the next drafting round (propose); a copy: a graphed forward's outputs are
         # overwritten by the next forward, and rounds the draft gate skips run forwards in between.
         self.pending_context.append((features.clone(), counts.clone()))
+
+    def _count_lookup_outcomes(self, state: BatchState, accepted: Tensor) -> None:
+        """Position j of a lookup draft was verified when the row verified ≥ j drafts and accepted the
+        j − 1 before it; accepted when the row accepted ≥ j. Rows that just finished are left out: EOS or
+        the token budget may have cut their round short."""
+        still, taken = state.active.tolist(), accepted.tolist()
+        for r, length in self.lookup_verified.items():
+            if not still[r]:
+                continue
+            for j in range(min(length, taken[r] + 1)):
+                self.lookup_outcomes[j][0] += 1
+                self.lookup_outcomes[j][1] += j < taken[r]
+        self.lookup_verified = {}
 
     def _pending_features(self) -> tuple[Tensor | None, Tensor | None]:
         """The pending rounds' features as one append (features, counts), or (None, None). Each row's

@@ -8,17 +8,35 @@ import torch
 from specbench.engine.policy import BatchState, Draft, Policy
 
 
-def lookup(sequence: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
-    n_tokens = len(sequence)
-    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
-        pattern = sequence[n_tokens - n :]
-        # Scan right to left: recent context predicts the continuation best.
-        for start in range(n_tokens - n - 1, -1, -1):
-            if sequence[start : start + n] == pattern:
-                follow = sequence[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
+class LookupIndex:
+    """The lookup for one growing sequence (a request's prompt + output): find(sequence, k) gives the K
+    tokens after the most recent earlier occurrence of its last n tokens, n from max_ngram down to
+    min_ngram, or []. Kept up to date round by round (per n, the latest start of every n-gram with a
+    token after it), so a round indexes only the tokens it committed; scanning the whole sequence
+    instead cost ~0.1 ms a row and round at 300 tokens in Python, 2% of a b = 1 round on the 2-core
+    CPU. tests/test_lookup_index.py checks it against that scan."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.lengths = range(max_ngram, min_ngram - 1, -1)  # longest first, as lookup() tries them
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.lengths}
+        self.indexed = {n: 0 for n in self.lengths}  # starts below this are in latest[n]
+        self.seen = 0
+
+    def find(self, sequence: list[int], k: int) -> list[int]:
+        n_tokens = len(sequence)
+        if n_tokens < self.seen:
+            raise ValueError("LookupIndex: the sequence got shorter (a new request needs a new index)")
+        self.seen = n_tokens
+        for n in self.lengths:
+            table = self.latest[n]
+            for start in range(self.indexed[n], n_tokens - n):  # n-grams with a token after them
+                table[tuple(sequence[start : start + n])] = start
+            self.indexed[n] = max(self.indexed[n], n_tokens - n)
+            if n < n_tokens:
+                start = table.get(tuple(sequence[n_tokens - n :]))
+                if start is not None:
+                    return sequence[start + n : start + n + k]
+        return []
 
 
 class PromptLookup(Policy):
@@ -33,6 +51,9 @@ class PromptLookup(Policy):
     def params(self) -> dict:
         return {"k": self.k, "min_ngram": self.min_ngram, "max_ngram": self.max_ngram}
 
+    def begin(self, state: BatchState, prompt_features) -> None:
+        self.indexes = [LookupIndex(self.min_ngram, self.max_ngram) for _ in range(state.batch_size)]
+
     def propose(self, state: BatchState) -> Draft:
         b = state.batch_size
         tokens = torch.zeros(b, self.k, dtype=torch.long)
@@ -40,7 +61,7 @@ class PromptLookup(Policy):
         for r in range(b):
             if not state.active[r]:
                 continue
-            follow = lookup(state.row(r), self.k, self.min_ngram, self.max_ngram)
+            follow = self.indexes[r].find(state.row(r), self.k)
             tokens[r, : len(follow)] = torch.tensor(follow, dtype=torch.long)
             lengths[r] = len(follow)
         device = state.tokens.device
