@@ -55,6 +55,7 @@ SHIPPED = [  # every policy over a drafter shipped in drafters/smollm2-135m/
     ("dspark-960-fixed", {}),
     ("dspark", {"profile": PROFILE}),  # Algorithm 1 + the draft gate, on the committed CPU profile
     ("dspark", {"profile": "cheap verify"}),  # the same on a profile where drafting must pay
+    ("dspark-lookup", {"profile": "cheap verify"}),  # with lookup drafts, mixed with drafted rows at b = 4 and 16
 ]
 DRAFTING_MAY_BE_GATED_OFF = {("dspark", PROFILE)}  # a weak drafter on a real CPU profile: the gate may skip it
 
