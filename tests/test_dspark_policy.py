@@ -430,8 +430,7 @@ def test_lookup_drafts_are_scheduled_by_their_past_acceptance_and_the_cost(targe
             assert set(lengths) == {0} and pol.lookup_outcomes[0][0] == 0
 
 
-@pytest.mark.parametrize("broken", [False, True])
-@pytest.mark.parametrize("draft_cost", [0.0, 100.0])
+@pytest.mark.parametrize("draft_cost,broken", [(0.0, False), (100.0, False), (0.0, True)])
 def test_lookup_drafts_sampling_matches_target(small, draft_cost, broken):
     """χ² at T = 1 with lookup drafts mixed into drafted rounds (draft cost 0: rows with a match verify
     their one-hot lookup draft beside rows verifying drafted blocks) and in rounds the gate skips (a
