@@ -164,6 +164,26 @@ def test_draft_gate_drafted_nothing(tmp_path):
     assert any("drafted nothing (draft gate)" in v for v in report.verdicts(s))
 
 
+def test_lookup_only_rounds_are_not_called_gated(tmp_path):
+    """DSpark with lookup drafts (docs/dspark.md §4.7): a round without confidences that verified drafts
+    took lookup drafts only; it is counted apart, and only rounds that verified nothing count as gated."""
+    recs = _gate(_records(12))
+    for r in recs:
+        if r["policy"] == "pld":  # every 4th skipped round verified a lookup draft instead
+            r["trace"]["verify_len"] = [3 if not c and i % 4 == 0 else v
+                                        for i, (c, v) in enumerate(zip(r["trace"]["confidence"], r["trace"]["verify_len"]))]
+    s = stats.summarize(stats.load_results(_write_sweep(tmp_path / "s", recs)), n_resamples=200)
+    pld = s[s["policy"] == "pld"].iloc[0]
+    rounds = sum(r["rounds"] for r in recs if r["policy"] == "pld")
+    lookup_only = sum(1 for r in recs if r["policy"] == "pld" for i, c in enumerate(r["trace"]["confidence"])
+                      if not c and i % 4 == 0)
+    assert pld["rounds_traced"] == rounds and pld["lookup_only"] == lookup_only > 0
+    assert pld["gate_skipped"] == sum(1 for r in recs if r["policy"] == "pld" for c in r["trace"]["confidence"] if not c) - lookup_only
+    assert "verified prompt-lookup drafts without a drafter call" in pld["note"]
+    assert any("of rounds took lookup drafts only" in v for v in report.verdicts(s))
+    assert any("verified prompt-lookup drafts" in n for n in cli.run_notes(recs, 1))
+
+
 def test_no_gate_no_note(tmp_path):
     s = stats.summarize(stats.load_results(_write_sweep(tmp_path / "s", _records(12))), n_resamples=200)
     assert (s["gate_skipped"] == 0).all() and not s["note"].str.contains("gate").any()

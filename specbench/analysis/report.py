@@ -466,6 +466,8 @@ def verdicts(summary: pd.DataFrame) -> list[str]:
             share = r["gate_skipped"] / r["rounds_traced"]
             extra.append("drafted nothing (draft gate)" if not np.isfinite(r["acceptance_rate"])
                          else f"draft gate skipped {100 * share:.0f}% of rounds")
+        if r.get("lookup_only", 0) and r["lookup_only"] > 0:
+            extra.append(f"{100 * r['lookup_only'] / r['rounds_traced']:.0f}% of rounds took lookup drafts only")
         lines.append(f"{head}: {est}, {word}" + "".join(f"; {e}" for e in extra))
     return lines
 

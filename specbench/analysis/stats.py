@@ -612,9 +612,9 @@ def summarize(
         if base is not None:  # the paired speedup divides by the baseline's timings too
             notes.append(stall_note(stall[base.index], f"{baseline}: ", base["prompt_id"]))
         row["timing_suspect"] = any(n and "stalled" in n for n in notes)
-        row["rounds_traced"], row["gate_skipped"], lookup_only = round_kinds(d)
+        row["rounds_traced"], row["gate_skipped"], row["lookup_only"] = round_kinds(d)
         notes.append(gate_note(d, row["rounds_traced"], row["gate_skipped"], cell["batch_size"]))
-        notes.append(lookup_note(row["rounds_traced"], lookup_only))
+        notes.append(lookup_note(row["rounds_traced"], row["lookup_only"]))
         row["note"] = "; ".join(dict.fromkeys(n for n in notes if n))
         rows.append(row)
     order = cols + [
@@ -622,7 +622,7 @@ def summarize(
         "median_log_speedup", "rank_biserial", "speedup_ratio_of_means", "speedup_time_weighted",
         "tau", "tau_ci_low", "tau_ci_high", "tau_pooled", "acceptance_rate", "acceptance_ci_low",
         "acceptance_ci_high", "tps_median", "tps_ci_low", "tps_ci_high", "ttft_median_s", "throughput",
-        "n_batches", "throughput_ratio", "throughput_ratio_ci_low", "throughput_ratio_ci_high", "n_batch_pairs", "too_few", "n_needed", "stalled", "timing_suspect", "rounds_traced", "gate_skipped", "note",
+        "n_batches", "throughput_ratio", "throughput_ratio_ci_low", "throughput_ratio_ci_high", "n_batch_pairs", "too_few", "n_needed", "stalled", "timing_suspect", "rounds_traced", "gate_skipped", "lookup_only", "note",
     ]
     out = pd.DataFrame(rows)
     for c in order:
