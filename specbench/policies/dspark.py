@@ -43,7 +43,7 @@ by the rows that use its drafts. On a 2-core CPU, where a drafting round is a go
 and DSpark's drafter is weak, such free drafts pay on code and chat alike (docs/performance.md
 "Session 27"). Which rows take a lookup draft depends only on committed tokens, and a lookup draft is
 deterministic (one-hot), so verification stays exact. The features of a round without a drafter call
-wait for the next drafted round, as a skipped round's do; the draft gate judges drafted rounds only.
+wait for the next drafted round, as a skipped round's do.
 """
 from __future__ import annotations
 
@@ -153,8 +153,8 @@ class DSpark(Policy):
 
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft | None:
-        self.lookups = self._lookups(state)  # row -> lookup draft (module docstring, "Lookup drafts")
         active = state.active.tolist()
+        self.lookups = self._lookups(state, active)  # row -> lookup draft (module docstring, "Lookup drafts")
         if self.lookups and len(self.lookups) == sum(active):  # every active row has one: no drafter call
             return self._with_lookups(None, state)
         if self.gate is not None and self.gate.skip():  # a plain decode step, bar the rows with a lookup draft
@@ -184,11 +184,11 @@ class DSpark(Policy):
         draft = Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=confidence, confidence_logits=raw)
         return self._with_lookups(draft, state) if self.lookups else draft
 
-    def _lookups(self, state: BatchState) -> dict[int, list[int]]:
+    def _lookups(self, state: BatchState, active: list[bool]) -> dict[int, list[int]]:
         if not self.lookup_ngram:
             return {}
         found = {}
-        for r, on in enumerate(state.active.tolist()):
+        for r, on in enumerate(active):
             if on:
                 follow = self.lookup_indexes[r].find(state.row(r), self.lookup_k)
                 if follow:
@@ -207,9 +207,8 @@ class DSpark(Policy):
             tokens[:, : drafted.tokens.shape[1]] = drafted.tokens.cpu()
             lengths[:] = drafted.lengths.cpu()
         rows = sorted(self.lookups)
-        for r in rows:
+        for r in rows:  # what a row's drafted block leaves past its lookup draft is padding, never verified
             follow = self.lookups[r]
-            tokens[r] = 0
             tokens[r, : len(follow)] = torch.tensor(follow, dtype=torch.long)
             lengths[r] = len(follow)
         tokens, lengths = tokens.to(device), lengths.to(device)
@@ -232,7 +231,8 @@ class DSpark(Policy):
         rows = sorted(self.lookups)
         if self.scheduler == "algorithm1":
             size = self.group_size or state.batch_size  # scheduling groups, as _schedule_drafted
-            parts = [self._schedule_with_lookups(draft, state, range(start, min(start + size, state.batch_size)))
+            active, survival = state.active.tolist(), self.lookup_survival()
+            parts = [self._schedule_with_lookups(draft, active, survival, range(start, min(start + size, state.batch_size)))
                      for start in range(0, state.batch_size, size)]
             lengths = torch.cat(parts)
         elif draft.confidence is None:  # no drafter call this round: the lookup rows verify their drafts whole
@@ -255,15 +255,14 @@ class DSpark(Policy):
             survival.append(alive)
         return survival
 
-    def _schedule_with_lookups(self, draft: Draft, state: BatchState, group: range) -> Tensor:
+    def _schedule_with_lookups(self, draft: Draft, active: list[bool], lookup_survival: list[float],
+                               group: range) -> Tensor:
         """Algorithm 1 over one scheduling group's drafted and lookup rows together (the group's lengths).
         A lookup row's confidences come from earlier rounds' outcomes (lookup_survival), never from its
         current draft, so the early stop keeps the search lossless as for drafted rows (docs/dspark.md §4.3)."""
-        active = state.active.tolist()
         on = [r for r in group if active[r]]
         drafted = draft.confidence is not None
         block = prefix_survival(draft.confidence[group.start : group.stop].float()).tolist() if drafted else None
-        lookup_survival = self.lookup_survival()
         survival, limits = [], []
         for r in on:
             if r in self.lookups:

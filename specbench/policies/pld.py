@@ -17,7 +17,7 @@ class LookupIndex:
     CPU. tests/test_lookup_index.py checks it against that scan."""
 
     def __init__(self, min_ngram: int, max_ngram: int):
-        self.lengths = range(max_ngram, min_ngram - 1, -1)  # longest first, as lookup() tries them
+        self.lengths = range(max_ngram, min_ngram - 1, -1)  # longest first: the longest match wins
         self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.lengths}
         self.indexed = {n: 0 for n in self.lengths}  # starts below this are in latest[n]
         self.seen = 0

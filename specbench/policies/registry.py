@@ -143,9 +143,9 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     (policies/dspark.py): skip the drafter while it does not pay; default on with the cost-model
     schedulers (algorithm1, capacity), off otherwise. draft_vocab = n > 0: at most the first n of the
     drafter's ranked draft tokens (0: all it was trained with). block = n > 0: draft n slots a round instead of
-    the γ it was trained with (keep_block; 0 or n ≥ γ: all γ). lookup_ngram = n > 0: a round where every row's
-last n tokens occur earlier in it verifies the lookup_k tokens that followed instead of a drafted block
-(policies/dspark.py, "Lookup rounds"; 0: off)."""
+    the γ it was trained with (keep_block; 0 or n ≥ γ: all γ). lookup_ngram = n > 0: a row whose last n tokens
+    occur earlier in it drafts the lookup_k tokens that followed instead of its drafted block (policies/dspark.py,
+    "Lookup drafts"; 0: off)."""
     from specbench.costs import profile as profiles
     from specbench.costs.schema import cut_variant, read_profile
     from specbench.policies.calibration import load_sts
@@ -155,13 +155,11 @@ last n tokens occur earlier in it verifies the lookup_k tokens that followed ins
 
     from specbench.drafters.formats import is_published, load_drafter_any
 
-    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0:
-        raise UserError(f"draft_vocab must be a whole number >= 0 (0: all the drafter's draft tokens), got {draft_vocab!r}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-        raise UserError(f"block must be a whole number >= 0 (0: the block the drafter was trained with), got {block!r}")
-    for name, value, least in (("lookup_ngram", lookup_ngram, 0), ("lookup_k", lookup_k, 1)):
+    for name, value, least, meaning in (("draft_vocab", draft_vocab, 0, " (0: all the drafter's draft tokens)"),
+                                        ("block", block, 0, " (0: the block the drafter was trained with)"),
+                                        ("lookup_ngram", lookup_ngram, 0, ""), ("lookup_k", lookup_k, 1, "")):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise UserError(f"{name} must be a whole number >= {least}, got {value!r}")
+            raise UserError(f"{name} must be a whole number >= {least}{meaning}, got {value!r}")
     model = load_drafter_any(drafter, target, ("dspark", "dflash"), load_dspark_drafter)
     # draft_vocab = n > 0: draft from at most the first n of its ranked draft tokens (keep_draft_vocab). A drafter
     # with fewer, or drafting from the whole vocabulary (nothing ranked to cut), is used whole; the records'
