@@ -426,6 +426,72 @@ inline __mmask16 visible_16(const bool* mask_row, int64_t j0, int64_t L) {
   return _mm_mask_cmpneq_epi8_mask(in_range, bytes, _mm_setzero_si128());
 }
 
+// Scores of N ≤ 4 query rows against one block of 16 keys (kt: pair p of the 16 keys in kt[p]), scaled,
+// -inf where the mask hides a key, into scores + i · L16 + j0. N is a template argument so that the
+// accumulators stay in registers (a runtime count spilled them); each row is summed alone, so its bits
+// do not depend on N.
+template <int N, int PAIRS>
+inline void scores_group(const bf16* const* q_rows, const bool* const* mask_rows, const __m512i* kt, int64_t j0,
+                         int64_t L, int64_t L16, float scale, float* scores) {
+  __m512 even[N], odd[N];
+  const int32_t* qp[N];
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) {
+    qp[i] = reinterpret_cast<const int32_t*>(q_rows[i]);
+    even[i] = odd[i] = _mm512_setzero_ps();
+  }
+  for (int p = 0; p < PAIRS; p += 2) {
+    const __m512bh k0 = (__m512bh)kt[p], k1 = (__m512bh)kt[p + 1];
+#pragma GCC unroll 4
+    for (int i = 0; i < N; ++i) {
+      even[i] = _mm512_dpbf16_ps(even[i], k0, (__m512bh)_mm512_set1_epi32(qp[i][p]));
+      odd[i] = _mm512_dpbf16_ps(odd[i], k1, (__m512bh)_mm512_set1_epi32(qp[i][p + 1]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) {
+    const __m512 dot = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(scores + i * L16 + j0,
+                     _mm512_mask_blend_ps(visible_16(mask_rows[i], j0, L), _mm512_set1_ps(-INFINITY), dot));
+  }
+}
+
+// out_rows[i] = bf16(Σ_j p_i[j] · V[j] · inv_sum[i]) for N ≤ 4 rows of probabilities p_i = probs + i · L16,
+// the keys in slot order, fp32; keys no row sees are skipped (adding a p of 0 changes no bit). N is a
+// template argument for the same reason as in scores_group.
+template <int N, int OV>
+inline void values_group(const float* probs, int64_t L16, const float* inv_sum, const bf16* V, int64_t vs, int64_t L,
+                         bf16* const* out_rows) {
+  __m512 acc[N][OV];
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    bool any = false;
+#pragma GCC unroll 4
+    for (int i = 0; i < N; ++i) any |= probs[i * L16 + j] != 0.f;
+    if (!any) continue;
+    const bf16* v = V + j * vs;
+    __m512 vf[OV];
+#pragma GCC unroll 8
+    for (int c = 0; c < OV; ++c) vf[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + 16 * c)));
+#pragma GCC unroll 4
+    for (int i = 0; i < N; ++i) {  // a p of 0 adds exact zeros (finite cache values)
+      const __m512 pj = _mm512_set1_ps(probs[i * L16 + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_fmadd_ps(pj, vf[c], acc[i][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < N; ++i) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+#pragma GCC unroll 8
+    for (int c = 0; c < OV; ++c)
+      _mm256_storeu_si256((__m256i*)(out_rows[i] + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], inv)));
+  }
+}
+
 // One item: R query rows q_rows[i] (hd bf16 each) with mask rows mask_rows[i] [L]; keys / values
 // K, V [L, hd] with row strides ks, vs; out_rows[i] = attention output (hd bf16).
 // scores: scratch of R · L16 floats.
@@ -445,26 +511,11 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
     }
     // 4 queries at a time, two chains each: 8 independent VDPBF16PS sums hide its latency.
     for (int i0 = 0; i0 < R; i0 += 4) {
-      const int n = std::min(4, R - i0);
-      __mmask16 live[4];
-      __m512 even[4], odd[4];
-      const int32_t* qp[4];
-      for (int i = 0; i < 4; ++i) {
-        const int row = i0 + std::min(i, n - 1);
-        live[i] = visible_16(mask_rows[row], j0, L);
-        qp[i] = reinterpret_cast<const int32_t*>(q_rows[row]);
-        even[i] = odd[i] = _mm512_setzero_ps();
-      }
-      for (int p = 0; p < PAIRS; p += 2) {
-        const __m512bh k0 = (__m512bh)kt[p], k1 = (__m512bh)kt[p + 1];
-        for (int i = 0; i < 4; ++i) {
-          even[i] = _mm512_dpbf16_ps(even[i], k0, (__m512bh)_mm512_set1_epi32(qp[i][p]));
-          odd[i] = _mm512_dpbf16_ps(odd[i], k1, (__m512bh)_mm512_set1_epi32(qp[i][p + 1]));
-        }
-      }
-      for (int i = 0; i < n; ++i) {
-        const __m512 dot = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(scale));
-        _mm512_storeu_ps(scores + (i0 + i) * L16 + j0, _mm512_mask_blend_ps(live[i], _mm512_set1_ps(-INFINITY), dot));
+      switch (std::min(4, R - i0)) {
+        case 4: scores_group<4, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16); break;
+        case 3: scores_group<3, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16); break;
+        case 2: scores_group<2, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16); break;
+        default: scores_group<1, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16);
       }
     }
   }
@@ -491,8 +542,12 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
       const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j0), mx));
       _mm512_storeu_ps(s + j0, p);
       const __mmask16 live = visible_16(mask_rows[i], j0, L);
-      _mm512_mask_compressstoreu_ps(visible_p.data() + n_visible, live, p);
-      n_visible += __builtin_popcount(static_cast<unsigned>(live));
+      // Compress in a register, then a masked store: the compressing store to memory is microcoded
+      // on Zen 4 and took 15% of attention's time (perf, docs/performance.md "Session 28").
+      const int count = __builtin_popcount(static_cast<unsigned>(live));
+      _mm512_mask_storeu_ps(visible_p.data() + n_visible, static_cast<__mmask16>((1u << count) - 1u),
+                            _mm512_maskz_compress_ps(live, p));
+      n_visible += count;
     }
     _mm512_storeu_ps(visible_p.data() + n_visible, _mm512_setzero_ps());
     __m512 lsum = _mm512_setzero_ps();
@@ -501,26 +556,11 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
   }
   // Σ p·v, 4 queries at a time sharing each value row's conversion to fp32.
   for (int i0 = 0; i0 < R; i0 += 4) {
-    const int n = std::min(4, R - i0);
-    const float* p[4];
-    for (int i = 0; i < 4; ++i) p[i] = scores + (i0 + std::min(i, n - 1)) * L16;
-    __m512 acc[4][OV];
-    for (int i = 0; i < 4; ++i)
-      for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; ++j) {
-      if (p[0][j] == 0.f && p[1][j] == 0.f && p[2][j] == 0.f && p[3][j] == 0.f) continue;
-      const bf16* v = V + j * vs;
-      __m512 vf[OV];
-      for (int c = 0; c < OV; ++c) vf[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(v + 16 * c)));
-      for (int i = 0; i < n; ++i) {  // a p of 0 adds exact zeros (finite cache values)
-        const __m512 pj = _mm512_set1_ps(p[i][j]);
-        for (int c = 0; c < OV; ++c) acc[i][c] = _mm512_fmadd_ps(pj, vf[c], acc[i][c]);
-      }
-    }
-    for (int i = 0; i < n; ++i) {
-      const __m512 inv = _mm512_set1_ps(inv_sum[i0 + i]);
-      for (int c = 0; c < OV; ++c)
-        _mm256_storeu_si256((__m256i*)(out_rows[i0 + i] + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], inv)));
+    switch (std::min(4, R - i0)) {
+      case 4: values_group<4, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0); break;
+      case 3: values_group<3, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0); break;
+      case 2: values_group<2, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0); break;
+      default: values_group<1, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0);
     }
   }
 }
