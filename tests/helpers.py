@@ -66,6 +66,36 @@ def sampled_counts(target, policy, prompt, temperature, top_p, seed=1234):
     return counts, result
 
 
+def lookup_merge_spy(module, monkeypatch, broken: bool, vocab: int) -> dict:
+    """Wraps `module.with_lookup_drafts` (policies/pld.py) as a policy module imported it: counts the rounds
+    it merged without a drafter call ("free") and with one ("mixed"); with `broken`, the negative control,
+    the looked-up rows claim a uniform draft distribution over `vocab` instead of their one-hot one."""
+    honest, calls = module.with_lookup_drafts, {"free": 0, "mixed": 0}
+
+    def spy(drafted, lookups, state, k):
+        calls["free" if drafted is None else "mixed"] += 1
+        out = honest(drafted, lookups, state, k)
+        if broken:
+            b, width = out.tokens.shape
+            probs = out.probs if out.probs is not None else torch.zeros(b, width, vocab)
+            probs[sorted(lookups)] = 1.0 / vocab
+            out.probs = probs
+        return out
+
+    monkeypatch.setattr(module, "with_lookup_drafts", spy)
+    return calls
+
+
+def assert_lossless_or_caught(exact, counts, broken: bool, what: str) -> None:
+    """The χ² verdict of a sampled-losslessness test with a negative control: the honest policy's counts
+    fit the exact distribution (p > 1e-3); the broken one's are rejected (p < 1e-6, TV > 0.05)."""
+    pvalue, tv = chi_square(exact, counts)
+    if broken:
+        assert pvalue < 1e-6 and tv > 0.05, f"broken {what} was not caught (p={pvalue:.2e}, TV={tv:.4f})"
+    else:
+        assert pvalue > 1e-3, f"{what} differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
 def chi_square(exact, counts):
     keys = sorted(exact, key=exact.get, reverse=True)
     expected = np.array([exact[k] for k in keys])

@@ -71,6 +71,22 @@ def cheap_verify_profile(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.parametrize("policy", ["fixed-k-lookup", "eagle-chain-lookup"])
+def test_lookup_controls_greedy_identity(default_model, real_prompts, ar_reference, policy):
+    """dspark-lookup's controls, the same lookup drafts in front of the draft LM and the EAGLE head, on real
+    prompts at b = 1 and 4 (mixed lookup and drafted rows): token-identical to AR, and lookup drafts of 6
+    tokens, longer than either drafter's 3, were verified."""
+    config = SamplingConfig(max_new_tokens=32)
+    pol = build_policy(policy, default_model)
+    for batch_size in (1, 4):
+        out = []
+        for i in range(0, len(real_prompts), batch_size):
+            out += generate(default_model.model, pol, real_prompts[i : i + batch_size], config,
+                            default_model.eos_token_ids).requests
+        assert [r.output_ids for r in out] == ar_reference, batch_size
+        assert any(v == 6 for r in out for v in r.trace_verify_len), batch_size
+
+
 @pytest.mark.parametrize("policy,params", SHIPPED, ids=[p + (f"-{v['profile'].split('/')[-1]}" if v else "") for p, v in SHIPPED])
 def test_shipped_drafters_greedy_identity(default_model, real_prompts, ar_reference, policy, params, cheap_verify_profile):
     """The shipped drafters on real prompts at batch sizes 1, 4 and 16 (the 4 prompts repeated

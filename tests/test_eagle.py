@@ -21,7 +21,7 @@ from specbench.policies.registry import build_policy, read_spec
 from specbench.train.common import get_budget
 from specbench.train.eagle import evaluate, options, train
 from helpers import (N_TOKENS, SMALL_VOCAB, VOCAB, broken_verify_tree, chi_square, decode_in_batches, exact_joint,
-                     sampled_counts, tiny_target, tiny_training_data)
+                     assert_lossless_or_caught, lookup_merge_spy, sampled_counts, tiny_target, tiny_training_data)
 from tiny import random_prompts, tiny_model
 
 TAPS = [0, 1, 2]
@@ -207,11 +207,14 @@ def test_greedy_identity(target, trained, batch_size):
     heads = {"trained": load_eagle_head(str(trained[0]), target), "random": random_head(model, TAPS)}
     for name, head in heads.items():
         for policy in (Eagle(head, "tree", depth=4, top_k=3, total_tokens=12), Eagle(head, "chain", depth=4),
-                       Eagle(head, "tree", depth=3, top_k=2, total_tokens=6, draft_vocab=24)):
+                       Eagle(head, "tree", depth=3, top_k=2, total_tokens=6, draft_vocab=24),
+                       Eagle(head, "chain", depth=3, lookup_ngram=1, lookup_k=4)):
             out = decode_in_batches(model, policy, prompts, batch_size, config)
             assert [r.output_ids for r in out] == reference, (name, policy.params())
             if name == "trained":
                 assert sum(r.accepted for r in out) > 0
+            if policy.lookup_ngram:  # lookup drafts (4 tokens) were verified in place of the head's 3
+                assert any(v == 4 for r in out for v in r.trace_verify_len), (name, batch_size)
 
 
 def test_greedy_identity_bf16(target):
@@ -224,8 +227,11 @@ def test_greedy_identity_bf16(target):
     reference = [generate(model, Policy(), [p], config).requests[0].output_ids for p in prompts]
     head = random_head(model, TAPS)
     assert head.dtype == torch.bfloat16
-    for policy in (Eagle(head, "tree", depth=4, top_k=3, total_tokens=12), Eagle(head, "chain", depth=4)):
-        assert [r.output_ids for r in decode_in_batches(model, policy, prompts, 4, config)] == reference, policy.params()
+    for policy in (Eagle(head, "tree", depth=4, top_k=3, total_tokens=12), Eagle(head, "chain", depth=4),
+                   Eagle(head, "chain", depth=3, lookup_ngram=1, lookup_k=4)):
+        for batch_size in (1, 4):
+            got = decode_in_batches(model, policy, prompts, batch_size, config)
+            assert [r.output_ids for r in got] == reference, (policy.params(), batch_size)
 
 
 def test_greedy_eos_and_ragged_budget(target, trained):
@@ -285,6 +291,23 @@ def test_chain_sampling_matches_target(small, draft_vocab):
     assert 0 < sum(r.accepted for r in result.requests) < sum(r.drafted for r in result.requests)
     pvalue, tv = chi_square(exact, counts)
     assert pvalue > 1e-3, f"eagle chain output differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["honest", "lookup-rows-claim-uniform"])
+def test_chain_with_lookup_drafts_sampling_matches_target(small, monkeypatch, broken):
+    """χ² at T = 1 for the chain with lookup drafts (lookup_ngram): rows with a match verify their one-hot
+    lookup draft beside rows verifying the head's sampled chain. Negative control: the lookup rows claim a
+    uniform draft distribution instead of their one-hot one, and the same test rejects it."""
+    import specbench.policies.eagle as eagle
+
+    model, head, exact = small
+    calls = lookup_merge_spy(eagle, monkeypatch, broken, SMALL_VOCAB)
+    policy = Eagle(head, "chain", depth=3, lookup_ngram=1, lookup_k=2)
+    counts, result = sampled_counts(model, policy, [1, 3, 2], 1.0, 1.0)
+    assert calls["mixed"] > 0 and sum(r.accepted for r in result.requests) > 0
+    assert_lossless_or_caught(exact, counts, broken, "eagle chain with lookup drafts")
+    with pytest.raises(ValueError, match="chain mode only"):
+        Eagle(head, "tree", lookup_ngram=3)
 
 
 def test_chi_square_rejects_broken_tree_verifier(small, monkeypatch):

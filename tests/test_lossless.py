@@ -21,7 +21,8 @@ from specbench.policies.fixed_k import FixedK
 from specbench.policies.pld import PromptLookup
 from specbench.engine.policy import Policy
 from specbench.engine.sampling import sample
-from helpers import N_TOKENS, SMALL_VOCAB, chi_square, decode_in_batches, exact_joint, sampled_counts
+from helpers import (N_TOKENS, SMALL_VOCAB, assert_lossless_or_caught, chi_square, decode_in_batches, exact_joint,
+                     lookup_merge_spy, sampled_counts)
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64
@@ -53,6 +54,10 @@ def policies(target):
         "fixed-k(self draft)": FixedK(target, k=3),
         "fixed-k(reduced draft vocabulary)": FixedK(ranked(tiny_model(vocab=VOCAB, seed=1, layers=1, scale=4.0,
                                                                        dtype=dtype)), k=4, draft_vocab=VOCAB // 2),
+        # lookup drafts in place of the draft LM's where a row's last token occurs earlier (rounds without a
+        # draft LM call at b = 1, mixed rows at b > 1); the draft cache must resync after them
+        "fixed-k(lookup drafts)": FixedK(tiny_model(vocab=VOCAB, seed=1, layers=1, scale=4.0, dtype=dtype), k=3,
+                                         lookup_ngram=1, lookup_k=4),
     }
 
 
@@ -77,8 +82,10 @@ def test_greedy_identity_tiny(prompts, batch_size, dtype, dim):
             assert res.output_ids == ref, f"{name} b={batch_size} prompt {i} diverged from AR"
         if name == "fixed-k(self draft)":  # the target drafting for itself is always accepted
             assert sum(r.accepted for r in got) == sum(r.drafted for r in got) > 0
-        if name == "pld":
+        if name in ("pld", "fixed-k(lookup drafts)"):
             assert sum(r.accepted for r in got) > 0
+        if name == "fixed-k(lookup drafts)":  # some rounds verified more than the draft LM's k = 3: lookup drafts
+            assert policy.params()["lookup_k"] == 4 and any(v == 4 for r in got for v in r.trace_verify_len)
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
@@ -155,6 +162,23 @@ def test_prompt_lookup_sampling_matches_target(dtype):
     assert sum(r.drafted for r in result.requests) > 0
     pvalue, tv = chi_square(exact, counts)
     assert pvalue > 1e-3, f"pld output distribution differs from the target's (p={pvalue:.2e}, TV={tv:.4f})"
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["honest", "lookup-rows-claim-uniform"])
+def test_fixed_k_with_lookup_drafts_matches_target(monkeypatch, broken):
+    """χ² at T = 1 for fixed-K with lookup drafts: in one batch some rows verify a one-hot lookup draft and
+    others the draft LM's sampled tokens, and rounds where every row has a lookup draft run no draft LM.
+    Negative control: the lookup rows claim a uniform draft distribution instead of their one-hot one, and
+    the same test rejects it."""
+    import specbench.policies.fixed_k as fixed_k
+
+    target, draft = small_models_in(FP32)
+    calls = lookup_merge_spy(fixed_k, monkeypatch, broken, SMALL_VOCAB)
+    prompt = [1, 2, 1, 2, 1]
+    exact = exact_joint(target, prompt, N_TOKENS, 1.0, 1.0)
+    counts, result = sampled_counts(target, FixedK(draft, k=3, lookup_ngram=1, lookup_k=2), prompt, 1.0, 1.0)
+    assert calls["mixed"] > 0 and sum(r.accepted for r in result.requests) > 0
+    assert_lossless_or_caught(exact, counts, broken, "fixed-k with lookup drafts")
 
 
 def broken_verify_chain(target_probs, draft_tokens, draft_probs, verify_lengths, generator):

@@ -484,3 +484,14 @@ def test_build_dspark_refuses_lookup_settings_that_are_not_counts(name, bad, lea
 
     with pytest.raises(UserError, match=f"{name} must be a whole number >= {least}"):
         build_dspark(None, **{name: bad})
+
+
+@pytest.mark.parametrize("name,bad,least", [("lookup_ngram", -1, 0), ("lookup_k", 0, 1), ("lookup_k", "six", 1),
+                                            ("k", 0, 1), ("draft_vocab", 1.5, 0)])
+def test_build_fixed_k_refuses_settings_that_are_not_counts(name, bad, least):
+    """fixed-k's k / draft_vocab / lookup_ngram / lookup_k from a spec or --param: one clear error before any loading."""
+    from specbench.errors import UserError
+    from specbench.policies.registry import build_fixed_k
+
+    with pytest.raises(UserError, match=f"{name} must be a whole number >= {least}"):
+        build_fixed_k(None, **{name: bad})

@@ -55,7 +55,7 @@ from torch import Tensor
 from specbench.policies.calibration import nearest_fit
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
-from specbench.policies.pld import LookupIndex
+from specbench.policies.pld import LookupIndex, find_lookups, with_lookup_drafts
 from specbench.policies.scheduler import (algorithm1_admit, algorithm1_lengths, best_capacity, capacity_lengths,
                                           fixed_lengths, prefix_survival, threshold_lengths)
 
@@ -154,7 +154,7 @@ class DSpark(Policy):
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft | None:
         active = state.active.tolist()
-        self.lookups = self._lookups(state, active)  # row -> lookup draft (module docstring, "Lookup drafts")
+        self.lookups = self._lookups(state)  # row -> lookup draft (module docstring, "Lookup drafts")
         if self.lookups and len(self.lookups) == sum(active):  # every active row has one: no drafter call
             return self._with_lookups(None, state)
         if self.gate is not None and self.gate.skip():  # a plain decode step, bar the rows with a lookup draft
@@ -184,42 +184,11 @@ class DSpark(Policy):
         draft = Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=confidence, confidence_logits=raw)
         return self._with_lookups(draft, state) if self.lookups else draft
 
-    def _lookups(self, state: BatchState, active: list[bool]) -> dict[int, list[int]]:
-        if not self.lookup_ngram:
-            return {}
-        found = {}
-        for r, on in enumerate(active):
-            if on:
-                follow = self.lookup_indexes[r].find(state.row(r), self.lookup_k)
-                if follow:
-                    found[r] = follow
-        return found
+    def _lookups(self, state: BatchState) -> dict[int, list[int]]:
+        return find_lookups(self.lookup_indexes, state, self.lookup_k) if self.lookup_ngram else {}
 
     def _with_lookups(self, drafted: Draft | None, state: BatchState) -> Draft:
-        """The round's draft with each looked-up row's lookup draft in place of its drafted block (of
-        every row's, rows without one verifying nothing, when `drafted` is None). A lookup draft is
-        one-hot: at T > 0 its rows of the drafted distributions become one-hot on its tokens."""
-        b, device = state.batch_size, state.tokens.device
-        width = max(self.lookup_k, drafted.tokens.shape[1] if drafted is not None else 0)
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        lengths = torch.zeros(b, dtype=torch.long)
-        if drafted is not None:
-            tokens[:, : drafted.tokens.shape[1]] = drafted.tokens.cpu()
-            lengths[:] = drafted.lengths.cpu()
-        rows = sorted(self.lookups)
-        for r in rows:  # what a row's drafted block leaves past its lookup draft is padding, never verified
-            follow = self.lookups[r]
-            tokens[r, : len(follow)] = torch.tensor(follow, dtype=torch.long)
-            lengths[r] = len(follow)
-        tokens, lengths = tokens.to(device), lengths.to(device)
-        if drafted is None:
-            return Draft(tokens=tokens, probs=None, lengths=lengths)
-        probs = drafted.probs
-        if probs is not None:
-            probs = torch.cat([probs, probs.new_zeros(b, width - probs.shape[1], probs.shape[2])], dim=1)
-            probs[rows] = torch.nn.functional.one_hot(tokens[rows], probs.shape[2]).to(probs.dtype)
-        return Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=drafted.confidence,
-                     confidence_logits=drafted.confidence_logits)
+        return with_lookup_drafts(drafted, self.lookups, state, self.lookup_k)
 
     def _sps(self, b: int, n: int):
         return rounds_per_second(self.step_seconds, self.draft_seconds, b, n)

@@ -31,7 +31,13 @@ dominates the head's cost for a 49k vocabulary on a CPU, shrinks by V/n. draft_v
 default) takes the vocabulary the head was trained on (`EagleArgs.trained_vocab`; 0 = all). Still lossless: trees
 need no draft probabilities, and chain drafts at T > 0 pass the exact (zero-padded) distribution.
 
-Everything is batched over rows with per-row context lengths; no per-row Python in propose.
+lookup_ngram = n > 0 (chain mode only; off by default; as DSpark's lookup drafts, policies/dspark.py): a
+row whose last n..max(n, 3) tokens occur earlier in its prompt + output drafts the `lookup_k` tokens that
+followed (prompt lookup, policies/pld.py) instead of the head's chain, and when every active row has one
+the head does not run. The head's context needs nothing more: `observe` appends the committed tokens'
+target features whichever draft they were accepted from.
+
+Everything is batched over rows with per-row context lengths; no per-row Python in propose (bar the lookup).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from specbench.drafters.eagle import EagleHead
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
+from specbench.policies.pld import LookupIndex, find_lookups, with_lookup_drafts
 
 MODES = ("tree", "chain")
 
@@ -50,11 +57,17 @@ class Eagle(Policy):
     name = "eagle"
 
     def __init__(self, head: EagleHead, mode: str = "tree", depth: int = 5, top_k: int = 10,
-                 total_tokens: int = 60, draft_vocab: int = -1, drafter: str = "eagle"):
+                 total_tokens: int = 60, draft_vocab: int = -1, drafter: str = "eagle", lookup_ngram: int = 0,
+                 lookup_k: int = 4):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError("depth, top_k and total_tokens must be >= 1")
+        if lookup_ngram < 0 or (lookup_ngram and lookup_k < 1):
+            raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
+        if lookup_ngram and mode != "chain":
+            raise ValueError("lookup drafts (lookup_ngram) are for the chain mode only")
+        self.lookup_ngram, self.lookup_k = int(lookup_ngram), int(lookup_k)
         self.head, self.mode, self.depth, self.drafter = head, mode, int(depth), drafter
         if int(draft_vocab) < 0:  # the head's own training vocabulary
             draft_vocab = head.args.trained_vocab
@@ -63,14 +76,15 @@ class Eagle(Policy):
         self.top_k = min(int(top_k), self.draft_vocab or head.args.model_args.vocab_size)
         generated = self.top_k + (self.depth - 1) * self.top_k ** 2
         self.total_tokens = min(int(total_tokens), generated)
-        self.max_draft = self.total_tokens if mode == "tree" else self.depth
+        self.max_draft = self.total_tokens if mode == "tree" else max(self.depth, self.lookup_k if lookup_ngram else 0)
         self.target_taps = head.tap_layers
         # Scratch slots after a row's context: the nodes run through the head this round.
         self.scratch = (self.depth - 1) * (self.top_k if mode == "tree" else 1)
 
     def params(self) -> dict:
         if self.mode == "chain":
-            return {"mode": "chain", "depth": self.depth, "draft_vocab": self.draft_vocab}
+            return {"mode": "chain", "depth": self.depth, "draft_vocab": self.draft_vocab,
+                    **({"lookup_ngram": self.lookup_ngram, "lookup_k": self.lookup_k} if self.lookup_ngram else {})}
         return {"mode": "tree", "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens,
                 "draft_vocab": self.draft_vocab}
 
@@ -82,6 +96,8 @@ class Eagle(Policy):
         p = prompt_features.shape[1]
         # Entry t = (f_t, x_{t+1}) for t < prompt length: the last one carries the first sampled token.
         self.head.append_context(prompt_features, state.tokens[:, 1 : p + 1], state.prompt_lengths)
+        self.lookup_indexes = ([LookupIndex(self.lookup_ngram, max(self.lookup_ngram, 3)) for _ in range(b)]
+                               if self.lookup_ngram else [])
 
     def observe(self, state: BatchState, accepted: Tensor, verify_features: Tensor | None) -> None:
         # The anchor and the accepted drafts are committed: entries t = old ctx .. new length − 2.
@@ -95,7 +111,15 @@ class Eagle(Policy):
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft:
-        return self._tree(state) if self.mode == "tree" else self._chain(state)
+        if self.mode == "tree":
+            return self._tree(state)
+        if not self.lookup_ngram:
+            return self._chain(state)
+        lookups = find_lookups(self.lookup_indexes, state, self.lookup_k)
+        if lookups and len(lookups) == int(state.active.sum()):  # every active row has one: no head call
+            return with_lookup_drafts(None, lookups, state, self.lookup_k)
+        draft = self._chain(state)
+        return with_lookup_drafts(draft, lookups, state, self.lookup_k) if lookups else draft
 
     def _chain(self, state: BatchState) -> Draft:
         head, b = self.head, state.batch_size

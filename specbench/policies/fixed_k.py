@@ -7,7 +7,14 @@ draft_vocab = n > 0 drafts from the draft LM's n most frequent training tokens o
 `vocab_rank`; EAGLE-3's reduced draft vocabulary; a draft LM without one drafts from all): each draft step projects onto n rows of the
 head instead of the whole vocabulary, which for the default target's 49 152 × 576 head is most of
 a 2-layer draft LM's step. Still lossless: tokens outside the subset have draft probability 0, and
-the verifier gets that exact (zero-padded) distribution."""
+the verifier gets that exact (zero-padded) distribution.
+
+lookup_ngram = n > 0 (off by default; as DSpark's lookup drafts, policies/dspark.py): a row whose last
+n..max(n, 3) tokens occur earlier in its prompt + output drafts the `lookup_k` tokens that followed
+(prompt lookup, policies/pld.py) instead of the draft LM's K, and when every active row has one the draft
+LM does not run. Such a row's draft cache is not advanced past its committed tokens: the next round's
+catch-up feeds it what was accepted. This is the control for `dspark-lookup`: the same lookup in front of
+another drafter, so that a comparison of the two measures the drafters, not the lookup."""
 from __future__ import annotations
 
 import torch
@@ -17,16 +24,23 @@ from specbench.engine.core import forward_new_tokens
 from specbench.engine.model import Transformer, linear, pack_weight, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
+from specbench.policies.pld import LookupIndex, find_lookups, with_lookup_drafts
 
 
 class FixedK(Policy):
     name = "fixed-k"
 
-    def __init__(self, draft_model: Transformer, k: int = 4, drafter: str = "draft", draft_vocab: int = 0):
+    def __init__(self, draft_model: Transformer, k: int = 4, drafter: str = "draft", draft_vocab: int = 0,
+                 lookup_ngram: int = 0, lookup_k: int = 4):
         if k < 1:
             raise ValueError("fixed-k needs k >= 1")
+        if lookup_ngram < 0 or (lookup_ngram and lookup_k < 1):
+            raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
         self.draft_model, self.k, self.drafter = draft_model, k, drafter
-        self.max_draft = k
+        self.lookup_ngram, self.lookup_k = lookup_ngram, lookup_k
+        self.max_draft = max(k, lookup_k if lookup_ngram else 0)
+        self.lookups: dict[int, list[int]] = {}  # this round's lookup drafts by row
+        self.extended: Tensor | None = None  # [b] bool: rows whose draft cache this round's drafting extended
         self.synced: Tensor | None = None  # [b] how many committed tokens the drafter's cache holds
         vocab_size = draft_model.args.vocab_size
         self.draft_vocab = int(draft_vocab) if 0 < int(draft_vocab) < vocab_size else 0
@@ -43,7 +57,8 @@ class FixedK(Policy):
             self.head_packs = pack_weight(self.head)
 
     def params(self) -> dict:
-        return {"k": self.k, "draft_vocab": self.draft_vocab}
+        return {"k": self.k, "draft_vocab": self.draft_vocab,
+                **({"lookup_ngram": self.lookup_ngram, "lookup_k": self.lookup_k} if self.lookup_ngram else {})}
 
     def _next(self, tokens: Tensor, cache_lengths: Tensor, pick: Tensor | None = None) -> Tensor:
         """The draft LM's logits after `tokens` [b, q] (at `pick` [b] of q, else the last): over the
@@ -61,10 +76,16 @@ class FixedK(Policy):
         b, cap = state.tokens.shape
         self.draft_model.setup_cache(b, round_to_bucket(cap + self.k + 2))
         self.synced = torch.zeros(b, dtype=torch.long, device=state.tokens.device)
+        self.lookup_indexes = ([LookupIndex(self.lookup_ngram, max(self.lookup_ngram, 3)) for _ in range(b)]
+                               if self.lookup_ngram else [])
 
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft:
         b, device = state.batch_size, state.tokens.device
+        self.lookups = find_lookups(self.lookup_indexes, state, self.lookup_k) if self.lookup_ngram else {}
+        if self.lookups and len(self.lookups) == int(state.active.sum()):  # every active row has one: no draft LM call
+            self.extended = torch.zeros(b, dtype=torch.bool, device=device)
+            return with_lookup_drafts(None, self.lookups, state, self.lookup_k)
         # Catch up: feed each row the committed tokens its draft cache lacks (always ends with the anchor).
         pending = state.lengths - self.synced
         width = int(pending.max())
@@ -92,9 +113,15 @@ class FixedK(Policy):
         draft_tokens = torch.stack(tokens, dim=1)
         draft_probs = torch.stack(probs, dim=1) if probs else None
         lengths = torch.full((b,), self.k, dtype=torch.long, device=device)
-        return Draft(tokens=draft_tokens, probs=draft_probs, lengths=lengths)
+        draft = Draft(tokens=draft_tokens, probs=draft_probs, lengths=lengths)
+        self.extended = torch.ones(b, dtype=torch.bool, device=device)
+        if not self.lookups:
+            return draft
+        self.extended[sorted(self.lookups)] = False
+        return with_lookup_drafts(draft, self.lookups, state, self.lookup_k)
 
     def observe(self, state: BatchState, accepted: Tensor, verify_features) -> None:
         # The draft cache holds committed tokens + x_1..x_{K-1}; x_1..x_a were accepted, so it stays
-        # valid through old_length + min(a, K-1). `synced` was set to old_length in propose.
-        self.synced = self.synced + accepted.clamp(max=self.k - 1)
+        # valid through old_length + min(a, K-1). `synced` was set to old_length in propose. A row that
+        # verified a lookup draft (or a round without drafting) holds none of the accepted tokens.
+        self.synced = self.synced + accepted.clamp(max=self.k - 1) * self.extended

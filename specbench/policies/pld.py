@@ -39,6 +39,45 @@ class LookupIndex:
         return []
 
 
+def find_lookups(indexes: list[LookupIndex], state: BatchState, k: int) -> dict[int, list[int]]:
+    """Each active row's lookup draft of up to k tokens, by row, for the rows that have one."""
+    found = {}
+    for r, on in enumerate(state.active.tolist()):
+        if on:
+            follow = indexes[r].find(state.row(r), k)
+            if follow:
+                found[r] = follow
+    return found
+
+
+def with_lookup_drafts(drafted: Draft | None, lookups: dict[int, list[int]], state: BatchState, k: int) -> Draft:
+    """A learned policy's round draft with each looked-up row's lookup draft (up to k tokens) in place of
+    its drafted tokens; with `drafted` None (no drafter call this round) rows without a lookup draft verify
+    nothing. A lookup draft is deterministic: at T > 0 its rows of the drafted distributions become one-hot
+    on its tokens, so the verifier sees the exact distribution each token was drawn from."""
+    b, device = state.batch_size, state.tokens.device
+    width = max(k, drafted.tokens.shape[1] if drafted is not None else 0)
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    lengths = torch.zeros(b, dtype=torch.long)
+    if drafted is not None:
+        tokens[:, : drafted.tokens.shape[1]] = drafted.tokens.cpu()
+        lengths[:] = drafted.lengths.cpu()
+    rows = sorted(lookups)
+    for r in rows:  # what a row's drafted tokens leave past its lookup draft is padding, never verified
+        follow = lookups[r]
+        tokens[r, : len(follow)] = torch.tensor(follow, dtype=torch.long)
+        lengths[r] = len(follow)
+    tokens, lengths = tokens.to(device), lengths.to(device)
+    if drafted is None:
+        return Draft(tokens=tokens, probs=None, lengths=lengths)
+    probs = drafted.probs
+    if probs is not None:
+        probs = torch.cat([probs, probs.new_zeros(b, width - probs.shape[1], probs.shape[2])], dim=1)
+        probs[rows] = torch.nn.functional.one_hot(tokens[rows], probs.shape[2]).to(probs.dtype)
+    return Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=drafted.confidence,
+                 confidence_logits=drafted.confidence_logits)
+
+
 class PromptLookup(Policy):
     name = "pld"
 

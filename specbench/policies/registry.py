@@ -108,30 +108,50 @@ def build_pld(target, k: int = 4, min_ngram: int = 1, max_ngram: int = 3) -> Pol
     return PromptLookup(k=k, min_ngram=min_ngram, max_ngram=max_ngram)
 
 
-def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8", draft_vocab: int = 0) -> Policy:
+def build_fixed_k(target, k: int = 4, drafter: str = "truncate:8", draft_vocab: int = 0, lookup_ngram: int = 0,
+                  lookup_k: int = 4) -> Policy:
+    """A fixed-K draft LM; lookup_ngram = n > 0: a row whose last n tokens occur earlier in it drafts the
+    lookup_k tokens that followed instead (policies/fixed_k.py; 0: off)."""
     from specbench.drafters.checkpoints import load_draft_lm
     from specbench.drafters.formats import load_drafter_any
     from specbench.policies.fixed_k import FixedK
 
+    check_counts(("k", k, 1, ""), ("draft_vocab", draft_vocab, 0, " (0: the whole vocabulary)"),
+                 ("lookup_ngram", lookup_ngram, 0, " (0: off)"), ("lookup_k", lookup_k, 1, ""))
     return FixedK(load_drafter_any(drafter, target, ("draft-lm",), load_draft_lm), k=k, drafter=drafter,
-                  draft_vocab=draft_vocab)
+                  draft_vocab=draft_vocab, lookup_ngram=lookup_ngram, lookup_k=lookup_k)
+
+
+def check_counts(*checks: tuple[str, object, int, str]) -> None:
+    """One clear error for the first (name, value, least, meaning) whose value is not a whole number >= least."""
+    for name, value, least, meaning in checks:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UserError(f"{name} must be a whole number >= {least}{meaning}, got {value!r}")
 
 
 def build_eagle(target, drafter: str = "drafters/smollm2-135m/eagle", mode: str = "tree", depth: int = 5,
-                top_k: int = 10, total_tokens: int = 60, draft_vocab: int = -1) -> Policy:
+                top_k: int = 10, total_tokens: int = 60, draft_vocab: int = -1, lookup_ngram: int = 0,
+                lookup_k: int = 4) -> Policy:
     """EAGLE over a trained EAGLE-3-style head (the suite's or a published one): a dynamic draft tree
-    (mode "tree", EAGLE-2's depth / top_k / total_tokens) or a chain of `depth` drafts; docs/eagle.md §4."""
+    (mode "tree", EAGLE-2's depth / top_k / total_tokens) or a chain of `depth` drafts; docs/eagle.md §4.
+    lookup_ngram = n > 0 (chains): a row whose last n tokens occur earlier in it drafts the lookup_k tokens
+    that followed instead (policies/eagle.py; 0: off)."""
     from specbench.drafters.eagle import load_eagle_head
     from specbench.drafters.formats import load_drafter_any
     from specbench.policies.eagle import Eagle
 
+    check_counts(("lookup_ngram", lookup_ngram, 0, " (0: off)"), ("lookup_k", lookup_k, 1, ""))
+    if lookup_ngram and mode != "chain":
+        raise UserError("lookup drafts (lookup_ngram) are for EAGLE's chain mode only")
     return Eagle(load_drafter_any(drafter, target, ("eagle",), load_eagle_head), mode=mode, depth=depth, top_k=top_k,
-                 total_tokens=total_tokens, draft_vocab=draft_vocab, drafter=drafter)
+                 total_tokens=total_tokens, draft_vocab=draft_vocab, drafter=drafter, lookup_ngram=lookup_ngram,
+                 lookup_k=lookup_k)
 
 
 def build_eagle_chain(target, drafter: str = "drafters/smollm2-135m/eagle", depth: int = 5,
-                      draft_vocab: int = -1) -> Policy:
-    return build_eagle(target, drafter=drafter, mode="chain", depth=depth, draft_vocab=draft_vocab)
+                      draft_vocab: int = -1, lookup_ngram: int = 0, lookup_k: int = 4) -> Policy:
+    return build_eagle(target, drafter=drafter, mode="chain", depth=depth, draft_vocab=draft_vocab,
+                       lookup_ngram=lookup_ngram, lookup_k=lookup_k)
 
 
 def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", scheduler: str = "algorithm1",
@@ -155,11 +175,9 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
 
     from specbench.drafters.formats import is_published, load_drafter_any
 
-    for name, value, least, meaning in (("draft_vocab", draft_vocab, 0, " (0: all the drafter's draft tokens)"),
-                                        ("block", block, 0, " (0: the block the drafter was trained with)"),
-                                        ("lookup_ngram", lookup_ngram, 0, ""), ("lookup_k", lookup_k, 1, "")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise UserError(f"{name} must be a whole number >= {least}{meaning}, got {value!r}")
+    check_counts(("draft_vocab", draft_vocab, 0, " (0: all the drafter's draft tokens)"),
+                 ("block", block, 0, " (0: the block the drafter was trained with)"),
+                 ("lookup_ngram", lookup_ngram, 0, ""), ("lookup_k", lookup_k, 1, ""))
     model = load_drafter_any(drafter, target, ("dspark", "dflash"), load_dspark_drafter)
     # draft_vocab = n > 0: draft from at most the first n of its ranked draft tokens (keep_draft_vocab). A drafter
     # with fewer, or drafting from the whole vocabulary (nothing ranked to cut), is used whole; the records'
