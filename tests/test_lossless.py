@@ -86,6 +86,10 @@ def test_greedy_identity_tiny(prompts, batch_size, dtype, dim):
             assert sum(r.accepted for r in got) > 0
         if name == "fixed-k(lookup drafts)":  # some rounds verified more than the draft LM's k = 3: lookup drafts
             assert policy.params()["lookup_k"] == 4 and any(v == 4 for r in got for v in r.trace_verify_len)
+            # ... and the core recorded which: every round of 4 took a lookup draft, the round's own flag
+            assert all(len(r.trace_lookup) == len(r.trace_verify_len) for r in got)
+            assert all(f for r in got for v, f in zip(r.trace_verify_len, r.trace_lookup) if v == 4)
+            assert any(not f for r in got for f in r.trace_lookup)
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])

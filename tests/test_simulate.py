@@ -354,3 +354,24 @@ def test_a_cut_block_has_its_own_drafter_cost(tmp_path):
     assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 2, "block": 4})(1) == pytest.approx(0.002)
     assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 2, "block": 0})(1) == pytest.approx(0.003)
     assert simulate.draft_cost(costs, str(ckpt), {"draft_vocab": 8, "block": 4})(1) == pytest.approx(0.006)
+
+
+def test_lookup_rounds_cost_no_drafter_call(tmp_path):
+    """A policy without confidences that records which rounds took prompt-lookup drafts (trace `lookup`:
+    fixed-k / EAGLE chains with lookup drafts) pays the drafter only in rounds where some row of the
+    simulated batch took the drafter's draft, as the core calls it; records without the flag pay every round."""
+    (tmp_path / "drafters.json").write_text(json.dumps({"tiny|test device": [{"batch": 1, "median_ms": 5.0},
+                                                                             {"batch": 2, "median_ms": 5.0}]}))
+    looked_up = record("fixed-k-lookup", "p", [3, 3, 3], [3, 3, 3], drafter="tiny")
+    looked_up["trace"]["lookup"] = [1, 0, 1]
+    plain = record("fixed-k", "p", [3, 3, 3], [3, 3, 3], drafter="tiny")
+    one_forward = step_ms(1, 4) / 1e3
+    out = sim([looked_up], 1, "static", tmp_path)
+    assert out["per_user_tok_s"] == pytest.approx(12 / (3 * one_forward + 0.005))
+    out = sim([plain], 1, "static", tmp_path)
+    assert out["per_user_tok_s"] == pytest.approx(12 / (3 * one_forward + 3 * 0.005))
+    # two rows in one batch: a round calls the drafter unless both replay a lookup round
+    other = record("fixed-k-lookup", "q", [3, 3, 3], [3, 3, 3], drafter="tiny")
+    other["trace"]["lookup"] = [1, 1, 0]
+    out = sim([looked_up, other], 2, "static", tmp_path)
+    assert out["drafted_round_frac"] == pytest.approx(2 / 3)

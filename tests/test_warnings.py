@@ -184,6 +184,30 @@ def test_lookup_only_rounds_are_not_called_gated(tmp_path):
     assert any("verified prompt-lookup drafts" in n for n in cli.run_notes(recs, 1))
 
 
+def test_lookup_rounds_of_policies_without_confidences(tmp_path):
+    """fixed-k / EAGLE chains with lookup drafts record per round which rows took one (trace `lookup`); a
+    round ran no drafter when every row of the batch still decoding took one, and only such rounds that
+    verified drafts count as lookup-only."""
+    recs = _records(12)
+    mine = [r for r in recs if r["policy"] == "pld"]
+    for j, r in enumerate(mine):
+        n = r["rounds"]
+        r["batch_id"] = f"pair{j // 2}"  # two rows a batch
+        r["trace"] = {"verify_len": [3] * n, "accepted": [1] * n,
+                      "lookup": [int(i % 3 == 0 or (j % 2 == 0 and i % 3 == 1)) for i in range(n)]}
+    s = stats.summarize(stats.load_results(_write_sweep(tmp_path / "s", recs)), n_resamples=200)
+    pld = s[s["policy"] == "pld"].iloc[0]
+    expected = 0
+    for a, b in zip(mine[::2], mine[1::2]):
+        for i in range(max(len(a["trace"]["verify_len"]), len(b["trace"]["verify_len"]))):
+            rows = [t for t in (a["trace"], b["trace"]) if i < len(t["verify_len"])]
+            if all(t["lookup"][i] for t in rows):
+                expected += sum(1 for t in rows if t["verify_len"][i])
+    assert pld["rounds_traced"] == sum(len(r["trace"]["verify_len"]) for r in mine)
+    assert pld["lookup_only"] == expected > 0 and pld["gate_skipped"] == 0
+    assert "verified prompt-lookup drafts without a drafter call" in pld["note"]
+
+
 def test_no_gate_no_note(tmp_path):
     s = stats.summarize(stats.load_results(_write_sweep(tmp_path / "s", _records(12))), n_resamples=200)
     assert (s["gate_skipped"] == 0).all() and not s["note"].str.contains("gate").any()

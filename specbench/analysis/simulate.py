@@ -31,7 +31,9 @@ changes: a round emits accepted + 1 tokens, cut at G. (Sampled records keep thei
   Round-indexed replay ignores that a row which advances faster meets different text; the
   confidences and outcomes are those of the recorded rounds, in order.
   DSpark with lookup drafts (``policy_params.lookup_ngram``) replays its recorded rounds like the
-  policies above: which rows find a lookup depends on the text, which the records do not replay.
+  policies above: which rows find a lookup depends on the text, which the records do not replay. A
+  replayed round in which every row replays a prompt-lookup draft (trace ``lookup``, or for DSpark a
+  round without confidences) costs no drafter call, as in the core.
 
 What a round costs (b = rows in the forward, q = 1 + the longest ℓ among them: the core verifies a
 right-padded [b, q] batch):
@@ -211,15 +213,17 @@ class _Row:
         return max(int(self.rec.get("max_new_tokens") or self.generated) - self.emitted - 1, 0)
 
 
-def _rounds(rec: dict) -> list[tuple[list[float], int, int]]:
+def _rounds(rec: dict) -> list[tuple[list[float], int, int, int]]:
+    """The recorded rounds: (confidences, ℓ_rec, a_rec, 1 if the row verified a prompt-lookup draft)."""
     trace = rec["trace"]
     conf = trace.get("confidence") or [[] for _ in trace["verify_len"]]
-    return list(zip(conf, trace["verify_len"], trace["accepted"]))
+    lookup = trace.get("lookup") or [0] * len(trace["verify_len"])
+    return list(zip(conf, trace["verify_len"], trace["accepted"], lookup))
 
 
-def accepted_at(entry: tuple[list[float], int, int], length: int, rng: random.Random) -> tuple[int, int]:
-    """(accepted, drawn positions) when a recorded round (confidences, ℓ_rec, a_rec) verifies `length`."""
-    conf, l_rec, a_rec = entry
+def accepted_at(entry: tuple, length: int, rng: random.Random) -> tuple[int, int]:
+    """(accepted, drawn positions) when a recorded round (confidences, ℓ_rec, a_rec, …) verifies `length`."""
+    conf, l_rec, a_rec = entry[:3]
     if length <= l_rec or a_rec < l_rec:
         return min(a_rec, length), 0
     a = l_rec
@@ -238,9 +242,9 @@ def _replay_decider(has_drafter: bool, has_conf: bool):
     def decide(rows: list[_Row], active: list[bool]):
         entries = [r.rounds[r.cursor % len(r.rounds)] if a and r.rounds else None for r, a in zip(rows, active)]
         lengths = [e[1] if e else 0 for e in entries]
-        # With confidences in the trace, a round drafted iff some row has them (DSpark's gate can
-        # skip the drafter); without, a policy with a drafter drafts every round.
-        drafted = has_drafter and (not has_conf or any(e is not None and e[0] for e in entries))
+        # The drafter ran iff some row took its draft: not a prompt-lookup draft (e[3]), and, with
+        # confidences in the trace, one the drafter made (DSpark's gate can skip the drafter).
+        drafted = has_drafter and any(e is not None and not e[3] and (not has_conf or e[0]) for e in entries)
         return lengths, entries, drafted
 
     return decide

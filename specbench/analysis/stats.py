@@ -52,7 +52,9 @@ Conventions (the report and the README quote these):
   device's cost profile; ``gate_skipped`` / ``rounds_traced`` count them and the note says so (a
   τ of 1 then means "did not draft", not "drafted badly"). A round with ``[]`` that verified drafts
   all the same took prompt-lookup drafts only (``policy_params.lookup_ngram``): ``lookup_only``
-  counts those, and they are not gated.
+  counts those, and they are not gated. Policies without confidences that take lookup drafts
+  (fixed-k, EAGLE chains) record per round which rows did (trace ``lookup``); a round in which every
+  row of the batch did ran no drafter, and counts in ``lookup_only`` too.
 """
 
 from __future__ import annotations
@@ -487,19 +489,36 @@ def stall_note(ratio: pd.Series, who: str = "", prompts: pd.Series | None = None
 
 
 def round_kinds(d: pd.DataFrame) -> tuple[int, int, int]:
-    """(rounds with a confidence trace, rounds the draft gate skipped, rounds that verified lookup drafts
-    without a drafter call) of one cell's records: a round without confidences skipped the drafter; it
-    was gated when it verified nothing."""
+    """(rounds traced, rounds the draft gate skipped, rounds that verified lookup drafts without a drafter
+    call) of one cell's records, counted per request and round.
+
+    With confidences in the trace (DSpark) a round without them skipped the drafter: it was gated when
+    it verified nothing, lookup-only when it verified something. Without confidences, a policy that
+    records which rows took a lookup draft (trace ``lookup``: fixed-k and EAGLE chains with lookup
+    drafts) ran its drafter in a round unless every request of the batch still decoding took a lookup
+    draft in it; the rows of a batch share its rounds in order, so round i of each record is one round."""
     if "trace" not in d:
         return 0, 0, 0
     rounds = skipped = lookup_only = 0
-    for t in d["trace"]:
+    batches: dict[object, list[dict]] = {}  # records without confidences, by batch
+    batch_ids = d["batch_id"] if "batch_id" in d else pd.Series(range(len(d)), index=d.index)
+    for t, batch in zip(d["trace"], batch_ids):
         conf = t.get("confidence") if isinstance(t, dict) else None
         if isinstance(conf, list):
             verify = t.get("verify_len") or [0] * len(conf)
             rounds += len(conf)
             skipped += sum(1 for c, v in zip(conf, verify) if not c and not v)
             lookup_only += sum(1 for c, v in zip(conf, verify) if not c and v)
+        elif isinstance(t, dict) and isinstance(t.get("verify_len"), list):
+            batches.setdefault(batch, []).append(t)
+    if not any(t.get("lookup") for traces in batches.values() for t in traces):
+        return rounds, skipped, lookup_only
+    for traces in batches.values():
+        for i in range(max(len(t["verify_len"]) for t in traces)):
+            active = [t for t in traces if i < len(t["verify_len"])]
+            rounds += len(active)
+            if all(i < len(t.get("lookup") or []) and t["lookup"][i] for t in active):
+                lookup_only += sum(1 for t in active if t["verify_len"][i])
     return rounds, skipped, lookup_only
 
 

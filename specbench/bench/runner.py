@@ -125,6 +125,9 @@ def _trace(res) -> dict:
     confidence = getattr(res, "trace_confidence", None)  # policies with a confidence head (DSpark)
     if confidence and any(confidence):
         trace["confidence"] = list(confidence)
+    lookup = getattr(res, "trace_lookup", None)  # policies with prompt-lookup drafts (policies/pld.py)
+    if lookup and any(lookup):
+        trace["lookup"] = list(lookup)
     return trace
 
 

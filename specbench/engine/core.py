@@ -52,6 +52,8 @@ class RequestResult:
     # Per round: the raw confidence logits z before calibration (Draft.confidence_logits), at full
     # precision ([] as above); what `specbench calibrate` fits STS on. Not written to the records.
     trace_confidence_logits: list[list[float]] = field(default_factory=list)
+    # Per round: 1 where the row verified a prompt-lookup draft instead of the drafter's (Draft.lookup_rows).
+    trace_lookup: list[int] = field(default_factory=list)
 
     @property
     def generated_tokens(self) -> int:
@@ -197,6 +199,7 @@ def _generate(target: Transformer, policy: Policy, prompts: list[list[int]], con
         outcome = verify_round(target, policy, state, draft, verify_lengths, config)
         paths = outcome.accepted_paths
         conf_list, logit_list = _confidences_to_host(draft)
+        lookup_list = draft.lookup_rows.tolist() if draft.lookup_rows is not None else [False] * b
         new_tokens = []
         for r in range(b):
             if not active_list[r]:
@@ -211,6 +214,7 @@ def _generate(target: Transformer, policy: Policy, prompts: list[list[int]], con
             res.trace_verify_len.append(outcome.verified[r])
             res.trace_confidence.append([round(c, 4) for c in conf_list[r]] if conf_list else [])
             res.trace_confidence_logits.append(logit_list[r] if logit_list else [])
+            res.trace_lookup.append(int(lookup_list[r]))
         emitted = commit_tokens(state, results, new_tokens, eos, max_new)
         # Rows that just finished observe nothing: their drafter state no longer matters.
         accepted = torch.tensor([len(p) for p in paths], device=device) * state.active

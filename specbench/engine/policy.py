@@ -28,6 +28,9 @@ class Draft:
     # `tokens` are then the nodes, `lengths` the nodes per row, and `probs` (if given) the
     # distribution each node was drawn from i.i.d. among its siblings (None: siblings chosen, e.g. top-k).
     parents: Tensor | None = None
+    # [b] bool: rows whose draft this round is a prompt-lookup draft in place of the drafter's
+    # (policies/pld.py with_lookup_drafts); the core records it per round (RequestResult.trace_lookup).
+    lookup_rows: Tensor | None = None
 
 
 @dataclass

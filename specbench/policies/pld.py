@@ -67,15 +67,17 @@ def with_lookup_drafts(drafted: Draft | None, lookups: dict[int, list[int]], sta
         follow = lookups[r]
         tokens[r, : len(follow)] = torch.tensor(follow, dtype=torch.long)
         lengths[r] = len(follow)
+    looked_up = torch.zeros(b, dtype=torch.bool)
+    looked_up[rows] = True
     tokens, lengths = tokens.to(device), lengths.to(device)
     if drafted is None:
-        return Draft(tokens=tokens, probs=None, lengths=lengths)
+        return Draft(tokens=tokens, probs=None, lengths=lengths, lookup_rows=looked_up)
     probs = drafted.probs
     if probs is not None:
         probs = torch.cat([probs, probs.new_zeros(b, width - probs.shape[1], probs.shape[2])], dim=1)
         probs[rows] = torch.nn.functional.one_hot(tokens[rows], probs.shape[2]).to(probs.dtype)
     return Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=drafted.confidence,
-                 confidence_logits=drafted.confidence_logits)
+                 confidence_logits=drafted.confidence_logits, lookup_rows=looked_up)
 
 
 class PromptLookup(Policy):
