@@ -428,6 +428,8 @@ def test_lookup_drafts_are_scheduled_by_their_past_acceptance_and_the_cost(targe
             assert pol.lookup_survival()[0] == pytest.approx((accepted + 1) / (verified + 2))
         else:
             assert set(lengths) == {0} and pol.lookup_outcomes[0][0] == 0
+            # none admitted: the policy backed off looking up (1, 2, 4 … rounds), so it looked up in few rounds
+            assert len(lengths) < sum(r.rounds for r in out) / 2 and pol.lookup_backoff > 1
 
 
 @pytest.mark.parametrize("draft_cost,broken", [(0.0, False), (100.0, False), (0.0, True)])

@@ -43,7 +43,11 @@ by the rows that use its drafts. On a 2-core CPU, where a drafting round is a go
 and DSpark's drafter is weak, such free drafts pay on code and chat alike (docs/performance.md
 "Session 27"). Which rows take a lookup draft depends only on committed tokens, and a lookup draft is
 deterministic (one-hot), so verification stays exact. The features of a round without a drafter call
-wait for the next drafted round, as a skipped round's do.
+wait for the next drafted round, as a skipped round's do. Where Algorithm 1 admits none of the lookup
+drafts of a round without a drafter call (at b = 16 on the 2-core CPU it never does), the policy stops
+looking up for 1, 2, 4 … 64 rounds, as the draft gate backs off, so a batch that cannot use lookup drafts
+does not pay for finding them every round; whether a row takes one still depends only on committed tokens
+and earlier rounds.
 """
 from __future__ import annotations
 
@@ -91,6 +95,10 @@ class DSpark(Policy):
         self.lookup_verified: dict[int, int] = {}  # this round's scheduled length of each lookup row
         self.max_draft = max(self.gamma, lookup_k if lookup_ngram else 0)
         self.lookups: dict[int, list[int]] = {}  # this round's lookup drafts by row (schedule keeps their lengths)
+        # Lookup back-off (module docstring, "Lookup drafts"): rounds left without looking up, the wait after
+        # the next round that admits none, and per batch size the wait its last batch ended with.
+        self.lookup_skip, self.lookup_backoff = 0, 1
+        self.lookup_backoff_by_rows: dict[int, int] = {}
         self.target_taps = tuple(draft_model.args.tap_layers)
         # STS temperatures, one set per sampling temperature they were fitted at (calibration.py::
         # load_sts); a plain list serves every temperature.
@@ -141,6 +149,7 @@ class DSpark(Policy):
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
         self.lookup_indexes = [LookupIndex(self.lookup_ngram, max(self.lookup_ngram, 3)) for _ in range(b)] if self.lookup_ngram else []
+        self.lookup_skip, self.lookup_backoff = 0, self.lookup_backoff_by_rows.get(b, 1)
         # Target features of committed tokens not yet in the draft context: only a drafted round reads
         # the context, so the next drafting round appends them (the last round's, and those of rounds
         # the draft gate skipped, in one call: _pending_features).
@@ -185,7 +194,12 @@ class DSpark(Policy):
         return self._with_lookups(draft, state) if self.lookups else draft
 
     def _lookups(self, state: BatchState) -> dict[int, list[int]]:
-        return find_lookups(self.lookup_indexes, state, self.lookup_k) if self.lookup_ngram else {}
+        if not self.lookup_ngram:
+            return {}
+        if self.lookup_skip > 0:  # backing off: Algorithm 1 admitted no lookup draft lately at this load
+            self.lookup_skip -= 1
+            return {}
+        return find_lookups(self.lookup_indexes, state, self.lookup_k)
 
     def _with_lookups(self, drafted: Draft | None, state: BatchState) -> Draft:
         return with_lookup_drafts(drafted, self.lookups, state, self.lookup_k)
@@ -214,7 +228,20 @@ class DSpark(Policy):
             lengths = lengths * state.active
         verified = lengths.tolist()
         self.lookup_verified = {r: verified[r] for r in rows}
+        if self.scheduler == "algorithm1" and draft.confidence is None:
+            self._lookup_back_off(admitted=any(verified[r] for r in rows), batch_size=state.batch_size)
         return lengths
+
+    def _lookup_back_off(self, admitted: bool, batch_size: int) -> None:
+        """After a round without a drafter call: where Algorithm 1 admitted none of its lookup drafts (their
+        acceptance so far does not pay for a longer verify at this load), skip the lookup for the next
+        1, 2, 4 … MAX_BACKOFF rounds, as the draft gate backs off; reset where it admitted one."""
+        if admitted:
+            self.lookup_backoff = 1
+        else:
+            self.lookup_skip = self.lookup_backoff
+            self.lookup_backoff = min(2 * self.lookup_backoff, MAX_BACKOFF)
+        self.lookup_backoff_by_rows[batch_size] = self.lookup_backoff
 
     def lookup_survival(self) -> list[float]:
         """Prefix survival of a lookup draft, position by position, from earlier rounds' outcomes."""
