@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from specbench.engine.core import SamplingConfig, generate
+import specbench.policies.dspark as dspark_module
 from specbench.policies.dspark import DSpark
 from specbench.engine.policy import Policy
-from helpers import N_SAMPLES, N_TOKENS, SMALL_VOCAB, chi_square, exact_joint, make_drafter
+from helpers import N_SAMPLES, N_TOKENS, SMALL_VOCAB, chi_square, exact_joint, lookup_merge_spy, make_drafter
 from tiny import random_prompts, tiny_model
 
 VOCAB = 64
@@ -357,21 +358,8 @@ def policy_gate(scheduler):
     return DSpark(drafter, scheduler=scheduler, step_seconds=linear_cost, draft_gate=True).gate
 
 
-def _lookup_spy(pol):
-    """Counts the rounds _with_lookups built without a drafter call and with one (mixed rows)."""
-    seen = {"free": 0, "mixed": 0}
-    original = pol._with_lookups
-
-    def spy(drafted, state):
-        seen["free" if drafted is None else "mixed"] += 1
-        return original(drafted, state)
-
-    pol._with_lookups = spy
-    return seen
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_lookup_drafts_keep_greedy_identity(request, dtype):
+def test_lookup_drafts_keep_greedy_identity(request, monkeypatch, dtype):
     """lookup_ngram (policies/dspark.py, "Lookup drafts"): rows whose last tokens occur earlier verify the
     tokens that followed instead of the drafted block; rounds where every row has one (or the draft gate
     skips) make no drafter call. Greedy output equals AR's at b = 1 and 4, with and without the gate."""
@@ -380,13 +368,14 @@ def test_lookup_drafts_keep_greedy_identity(request, dtype):
     config = SamplingConfig(max_new_tokens=32)
     reference = [generate(target, Policy(), [p], config).requests[0].output_ids for p in prompts]
     cheap = lambda rows, q: 0.010 + 0.0001 * rows * q  # noqa: E731
+    seen = lookup_merge_spy(dspark_module, monkeypatch, False, VOCAB)  # rounds merged without / with a drafter call
     for scheduler, draft_cost in (("algorithm1", 0.0), ("algorithm1", 100.0), ("fixed", 0.0)):  # gate never / often skips
         for batch_size in (1, 4):
             pol = DSpark(make_drafter(target, seed=2), scheduler=scheduler, step_seconds=cheap,
                          draft_seconds=lambda rows: draft_cost, sts_temperatures=[1.3, 0.8, 1.0, 1.1],
                          draft_gate=scheduler == "algorithm1", lookup_ngram=1, lookup_k=3)
             assert pol.params()["lookup_ngram"] == 1 and pol.max_draft == 4
-            seen = _lookup_spy(pol)
+            seen.update(free=0, mixed=0)
             out = [r for i in range(0, len(prompts), batch_size)
                    for r in generate(target, pol, prompts[i : i + batch_size], config).requests]
             assert [r.output_ids for r in out] == reference, (scheduler, draft_cost, batch_size)
@@ -433,7 +422,7 @@ def test_lookup_drafts_are_scheduled_by_their_past_acceptance_and_the_cost(targe
 
 
 @pytest.mark.parametrize("draft_cost,broken", [(0.0, False), (100.0, False), (0.0, True)])
-def test_lookup_drafts_sampling_matches_target(small, draft_cost, broken):
+def test_lookup_drafts_sampling_matches_target(small, monkeypatch, draft_cost, broken):
     """χ² at T = 1 with lookup drafts mixed into drafted rounds (draft cost 0: rows with a match verify
     their one-hot lookup draft beside rows verifying drafted blocks) and in rounds the gate skips (a
     ruinous draft cost): the distribution stays the target's. Negative control (broken): the lookup rows
@@ -444,19 +433,7 @@ def test_lookup_drafts_sampling_matches_target(small, draft_cost, broken):
     pol = DSpark(drafter, scheduler="algorithm1", step_seconds=lambda rows, q: 0.01 + 0.0001 * rows * q,
                  draft_seconds=lambda rows: draft_cost, sts_temperatures=[1.5, 0.7, 1.0], group_size=4,
                  draft_gate=True, lookup_ngram=1, lookup_k=2)
-    seen = _lookup_spy(pol)
-    if broken:
-        honest = pol._with_lookups
-
-        def lying(drafted, state):
-            draft = honest(drafted, state)
-            b, k = draft.tokens.shape
-            probs = draft.probs if draft.probs is not None else torch.zeros(b, k, SMALL_VOCAB)
-            probs[sorted(pol.lookups)] = 1.0 / SMALL_VOCAB
-            draft.probs = probs
-            return draft
-
-        pol._with_lookups = lying
+    seen = lookup_merge_spy(dspark_module, monkeypatch, broken, SMALL_VOCAB)
     config = SamplingConfig(max_new_tokens=N_TOKENS, temperature=1.0, seed=321)
     result = generate(target, pol, [prompt] * N_SAMPLES, config)
     assert seen["free" if draft_cost else "mixed"] > 0

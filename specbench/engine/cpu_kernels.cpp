@@ -49,6 +49,7 @@
 #include <algorithm>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -492,6 +493,17 @@ inline void values_group(const float* probs, int64_t L16, const float* inv_sum, 
   }
 }
 
+// f(std::integral_constant<int, n>) for a group of n = 1..4 query rows: the size as a template argument.
+template <typename F>
+inline void with_group_size(int n, F&& f) {
+  switch (n) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
 // One item: R query rows q_rows[i] (hd bf16 each) with mask rows mask_rows[i] [L]; keys / values
 // K, V [L, hd] with row strides ks, vs; out_rows[i] = attention output (hd bf16).
 // scores: scratch of R · L16 floats.
@@ -511,12 +523,9 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
     }
     // 4 queries at a time, two chains each: 8 independent VDPBF16PS sums hide its latency.
     for (int i0 = 0; i0 < R; i0 += 4) {
-      switch (std::min(4, R - i0)) {
-        case 4: scores_group<4, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16); break;
-        case 3: scores_group<3, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16); break;
-        case 2: scores_group<2, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16); break;
-        default: scores_group<1, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16);
-      }
+      with_group_size(std::min(4, R - i0), [&](auto n) {
+        scores_group<decltype(n)::value, PAIRS>(q_rows + i0, mask_rows + i0, kt, j0, L, L16, scale, scores + i0 * L16);
+      });
     }
   }
   std::vector<float> inv_sum(R);
@@ -556,12 +565,9 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
   }
   // Σ p·v, 4 queries at a time sharing each value row's conversion to fp32.
   for (int i0 = 0; i0 < R; i0 += 4) {
-    switch (std::min(4, R - i0)) {
-      case 4: values_group<4, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0); break;
-      case 3: values_group<3, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0); break;
-      case 2: values_group<2, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0); break;
-      default: values_group<1, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0);
-    }
+    with_group_size(std::min(4, R - i0), [&](auto n) {
+      values_group<decltype(n)::value, OV>(scores + i0 * L16, L16, inv_sum.data() + i0, V, vs, L, out_rows + i0);
+    });
   }
 }
 

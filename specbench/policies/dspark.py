@@ -59,7 +59,7 @@ from torch import Tensor
 from specbench.policies.calibration import nearest_fit
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
-from specbench.policies.pld import LookupIndex, find_lookups, with_lookup_drafts
+from specbench.policies.pld import check_lookup_settings, find_lookups, lookup_indexes, lookup_params, with_lookup_drafts
 from specbench.policies.scheduler import (algorithm1_admit, algorithm1_lengths, best_capacity, capacity_lengths,
                                           fixed_lengths, prefix_survival, threshold_lengths)
 
@@ -86,8 +86,7 @@ class DSpark(Policy):
         self.scheduler = scheduler
         self.threshold = threshold
         self.gamma = draft_model.block_size if max_length is None else min(max_length, draft_model.block_size)
-        if lookup_ngram < 0 or (lookup_ngram and lookup_k < 1):
-            raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
+        check_lookup_settings(lookup_ngram, lookup_k)
         self.lookup_ngram, self.lookup_k = lookup_ngram, lookup_k  # module docstring, "Lookup drafts"
         # Per position j of a lookup draft: [rounds that verified it, rounds that accepted it] (observe),
         # over every batch this policy decoded: the confidence Algorithm 1 schedules lookup drafts by.
@@ -132,7 +131,7 @@ class DSpark(Policy):
                 "sts": self._sts_params(), "draft_gate": self.gate is not None,
                 "draft_vocab": getattr(self.draft_model, "draft_vocab_size", None),
                 "block": getattr(self.draft_model, "block_cut", 0),
-                **({"lookup_ngram": self.lookup_ngram, "lookup_k": self.lookup_k} if self.lookup_ngram else {})}
+                **lookup_params(self.lookup_ngram, self.lookup_k)}
 
     def _sts_params(self) -> list | dict:
         rounded = {t: [round(float(x), 3) for x in v] for t, v in self.sts_by_temperature.items()}
@@ -148,7 +147,7 @@ class DSpark(Policy):
         # The draft context holds each row's committed prefix before its anchor: the prompt.
         self.draft_model.append_context(prompt_features.to(self.draft_model.dtype), counts=state.prompt_lengths)
         self.stale_confidence.clear()
-        self.lookup_indexes = [LookupIndex(self.lookup_ngram, max(self.lookup_ngram, 3)) for _ in range(b)] if self.lookup_ngram else []
+        self.lookup_indexes = lookup_indexes(self.lookup_ngram, b)
         self.lookup_skip, self.lookup_backoff = 0, self.lookup_backoff_by_rows.get(b, 1)
         # Target features of committed tokens not yet in the draft context: only a drafted round reads
         # the context, so the next drafting round appends them (the last round's, and those of rounds
@@ -165,9 +164,9 @@ class DSpark(Policy):
         active = state.active.tolist()
         self.lookups = self._lookups(state)  # row -> lookup draft (module docstring, "Lookup drafts")
         if self.lookups and len(self.lookups) == sum(active):  # every active row has one: no drafter call
-            return self._with_lookups(None, state)
+            return with_lookup_drafts(None, self.lookups, state, self.lookup_k)
         if self.gate is not None and self.gate.skip():  # a plain decode step, bar the rows with a lookup draft
-            return self._with_lookups(None, state) if self.lookups else None
+            return with_lookup_drafts(None, self.lookups, state, self.lookup_k) if self.lookups else None
         features, counts = self._pending_features()
         anchors = state.tokens.gather(1, (state.lengths - 1)[:, None])[:, 0]
         # The context append and the block in one call (draft_round): the committed tokens' features
@@ -191,7 +190,7 @@ class DSpark(Policy):
         lengths = torch.full((state.batch_size,), self.gamma, dtype=torch.long, device=tokens.device)
         # At temperature 0 both sides are one-hot: the tokens alone decide (no probs drafted).
         draft = Draft(tokens=tokens, probs=probs, lengths=lengths, confidence=confidence, confidence_logits=raw)
-        return self._with_lookups(draft, state) if self.lookups else draft
+        return with_lookup_drafts(draft, self.lookups, state, self.lookup_k) if self.lookups else draft
 
     def _lookups(self, state: BatchState) -> dict[int, list[int]]:
         if not self.lookup_ngram:
@@ -200,9 +199,6 @@ class DSpark(Policy):
             self.lookup_skip -= 1
             return {}
         return find_lookups(self.lookup_indexes, state, self.lookup_k)
-
-    def _with_lookups(self, drafted: Draft | None, state: BatchState) -> Draft:
-        return with_lookup_drafts(drafted, self.lookups, state, self.lookup_k)
 
     def _sps(self, b: int, n: int):
         return rounds_per_second(self.step_seconds, self.draft_seconds, b, n)

@@ -48,7 +48,7 @@ from specbench.drafters.eagle import EagleHead
 from specbench.engine.model import round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
-from specbench.policies.pld import LookupIndex, find_lookups, with_lookup_drafts
+from specbench.policies.pld import check_lookup_settings, find_lookups, lookup_indexes, lookup_params, with_lookup_drafts
 
 MODES = ("tree", "chain")
 
@@ -63,8 +63,7 @@ class Eagle(Policy):
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise ValueError("depth, top_k and total_tokens must be >= 1")
-        if lookup_ngram < 0 or (lookup_ngram and lookup_k < 1):
-            raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
+        check_lookup_settings(lookup_ngram, lookup_k)
         if lookup_ngram and mode != "chain":
             raise ValueError("lookup drafts (lookup_ngram) are for the chain mode only")
         self.lookup_ngram, self.lookup_k = int(lookup_ngram), int(lookup_k)
@@ -84,7 +83,7 @@ class Eagle(Policy):
     def params(self) -> dict:
         if self.mode == "chain":
             return {"mode": "chain", "depth": self.depth, "draft_vocab": self.draft_vocab,
-                    **({"lookup_ngram": self.lookup_ngram, "lookup_k": self.lookup_k} if self.lookup_ngram else {})}
+                    **lookup_params(self.lookup_ngram, self.lookup_k)}
         return {"mode": "tree", "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens,
                 "draft_vocab": self.draft_vocab}
 
@@ -96,8 +95,7 @@ class Eagle(Policy):
         p = prompt_features.shape[1]
         # Entry t = (f_t, x_{t+1}) for t < prompt length: the last one carries the first sampled token.
         self.head.append_context(prompt_features, state.tokens[:, 1 : p + 1], state.prompt_lengths)
-        self.lookup_indexes = ([LookupIndex(self.lookup_ngram, max(self.lookup_ngram, 3)) for _ in range(b)]
-                               if self.lookup_ngram else [])
+        self.lookup_indexes = lookup_indexes(self.lookup_ngram, b)
 
     def observe(self, state: BatchState, accepted: Tensor, verify_features: Tensor | None) -> None:
         # The anchor and the accepted drafts are committed: entries t = old ctx .. new length − 2.

@@ -24,7 +24,7 @@ from specbench.engine.core import forward_new_tokens
 from specbench.engine.model import Transformer, linear, pack_weight, round_to_bucket
 from specbench.engine.policy import BatchState, Draft, Policy
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
-from specbench.policies.pld import LookupIndex, find_lookups, with_lookup_drafts
+from specbench.policies.pld import check_lookup_settings, find_lookups, lookup_indexes, lookup_params, with_lookup_drafts
 
 
 class FixedK(Policy):
@@ -34,12 +34,10 @@ class FixedK(Policy):
                  lookup_ngram: int = 0, lookup_k: int = 4):
         if k < 1:
             raise ValueError("fixed-k needs k >= 1")
-        if lookup_ngram < 0 or (lookup_ngram and lookup_k < 1):
-            raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
+        check_lookup_settings(lookup_ngram, lookup_k)
         self.draft_model, self.k, self.drafter = draft_model, k, drafter
         self.lookup_ngram, self.lookup_k = lookup_ngram, lookup_k
         self.max_draft = max(k, lookup_k if lookup_ngram else 0)
-        self.lookups: dict[int, list[int]] = {}  # this round's lookup drafts by row
         self.extended: Tensor | None = None  # [b] bool: rows whose draft cache this round's drafting extended
         self.synced: Tensor | None = None  # [b] how many committed tokens the drafter's cache holds
         vocab_size = draft_model.args.vocab_size
@@ -58,7 +56,7 @@ class FixedK(Policy):
 
     def params(self) -> dict:
         return {"k": self.k, "draft_vocab": self.draft_vocab,
-                **({"lookup_ngram": self.lookup_ngram, "lookup_k": self.lookup_k} if self.lookup_ngram else {})}
+                **lookup_params(self.lookup_ngram, self.lookup_k)}
 
     def _next(self, tokens: Tensor, cache_lengths: Tensor, pick: Tensor | None = None) -> Tensor:
         """The draft LM's logits after `tokens` [b, q] (at `pick` [b] of q, else the last): over the
@@ -76,16 +74,15 @@ class FixedK(Policy):
         b, cap = state.tokens.shape
         self.draft_model.setup_cache(b, round_to_bucket(cap + self.k + 2))
         self.synced = torch.zeros(b, dtype=torch.long, device=state.tokens.device)
-        self.lookup_indexes = ([LookupIndex(self.lookup_ngram, max(self.lookup_ngram, 3)) for _ in range(b)]
-                               if self.lookup_ngram else [])
+        self.lookup_indexes = lookup_indexes(self.lookup_ngram, b)
 
     @torch.inference_mode()
     def propose(self, state: BatchState) -> Draft:
         b, device = state.batch_size, state.tokens.device
-        self.lookups = find_lookups(self.lookup_indexes, state, self.lookup_k) if self.lookup_ngram else {}
-        if self.lookups and len(self.lookups) == int(state.active.sum()):  # every active row has one: no draft LM call
+        lookups = find_lookups(self.lookup_indexes, state, self.lookup_k) if self.lookup_ngram else {}
+        if lookups and len(lookups) == int(state.active.sum()):  # every active row has one: no draft LM call
             self.extended = torch.zeros(b, dtype=torch.bool, device=device)
-            return with_lookup_drafts(None, self.lookups, state, self.lookup_k)
+            return with_lookup_drafts(None, lookups, state, self.lookup_k)
         # Catch up: feed each row the committed tokens its draft cache lacks (always ends with the anchor).
         pending = state.lengths - self.synced
         width = int(pending.max())
@@ -115,10 +112,10 @@ class FixedK(Policy):
         lengths = torch.full((b,), self.k, dtype=torch.long, device=device)
         draft = Draft(tokens=draft_tokens, probs=draft_probs, lengths=lengths)
         self.extended = torch.ones(b, dtype=torch.bool, device=device)
-        if not self.lookups:
+        if not lookups:
             return draft
-        self.extended[sorted(self.lookups)] = False
-        return with_lookup_drafts(draft, self.lookups, state, self.lookup_k)
+        self.extended[sorted(lookups)] = False
+        return with_lookup_drafts(draft, lookups, state, self.lookup_k)
 
     def observe(self, state: BatchState, accepted: Tensor, verify_features) -> None:
         # The draft cache holds committed tokens + x_1..x_{K-1}; x_1..x_a were accepted, so it stays

@@ -39,6 +39,23 @@ class LookupIndex:
         return []
 
 
+def check_lookup_settings(ngram: int, k: int) -> None:
+    """A learned policy's lookup settings (lookup_ngram n, lookup_k): n >= 0 (0: off), k >= 1 when on."""
+    if ngram < 0 or (ngram and k < 1):
+        raise ValueError("lookup_ngram must be >= 0 (0: off) and lookup_k >= 1")
+
+
+def lookup_indexes(ngram: int, rows: int) -> list[LookupIndex]:
+    """One index per row of a batch for a learned policy's lookup drafts: matches of the last n..max(n, 3)
+    tokens; none when lookup drafts are off (ngram 0)."""
+    return [LookupIndex(ngram, max(ngram, 3)) for _ in range(rows)] if ngram else []
+
+
+def lookup_params(ngram: int, k: int) -> dict:
+    """The lookup settings a learned policy's records carry (policy_params), none when off."""
+    return {"lookup_ngram": ngram, "lookup_k": k} if ngram else {}
+
+
 def find_lookups(indexes: list[LookupIndex], state: BatchState, k: int) -> dict[int, list[int]]:
     """Each active row's lookup draft of up to k tokens, by row, for the rows that have one."""
     found = {}
