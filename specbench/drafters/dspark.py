@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
-from specbench.engine import cpu_kernels
+from specbench.engine import cpu_kernels, huge_pages
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, Snapshot, apply_rope, fresh_pack,
-                                    linear, pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket,
-                                    seeded_normal)
+                                    linear, pack_weight, pack_linears, packs_in_huge_pages, rope_cos_sin, rope_inv_freq,
+                                    round_to_bucket, seeded_normal)
 from specbench.engine.sampling import greedy_ids, probs_from_logits, sample
 
 KINDS = ("dspark", "dflash")
@@ -323,7 +323,7 @@ class DSparkDrafter(nn.Module):
         if self._draft_head is None or self._draft_head[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable in training too
                 rows = w.index_select(0, self.vocab_ids.to(w.device))
-            self._draft_head = (key, rows, pack_weight(rows))
+            self._draft_head = (key, rows, packs_in_huge_pages(pack_weight(rows)))
         return self._draft_head[1]
 
     def pack_weights(self) -> None:
@@ -578,6 +578,9 @@ class DSparkDrafter(nn.Module):
                 for out, t in zip(lists, (layer.input_layernorm.weight, packs[0], packs[1],
                                           layer.post_attention_layernorm.weight, packs[2], packs[3], packs[4])):
                     out.append(t)
+            if lists is not None and huge_pages.ENABLED:  # streamed every round, as the target's are
+                for i in (1, 2, 4, 5, 6):
+                    lists[i][:] = huge_pages.huge_page_copies(lists[i])
             self._layer_packs = (snapshot, lists)  # None too: not rebuilt until a weight changes
         return self._layer_packs[1]
 
