@@ -147,6 +147,15 @@ def test_output_where_the_kernel_refuses(tmp_path, capsys, jsonl):
     assert not Path("/proc/specbench-out").exists() and _files(tmp_path) == [jsonl]
 
 
+@pytest.mark.parametrize("policy", ["pld", "dspark-fixed", "ar"])
+def test_profile_policy_must_schedule_from_drafter_costs(tmp_path, capsys, policy):
+    """`profile --policy` stores the drafting cost a DSpark spec schedules from; a policy that schedules from
+    none is refused before any model loads, with no file written."""
+    rc = main(["profile", "--policy", policy, "--out", str(tmp_path / "p.json")])
+    _one_error_line(capsys, rc, repr(policy), "schedules from no drafter cost")
+    assert _files(tmp_path) == []
+
+
 def test_write_check_leaves_nothing_behind(tmp_path):
     """The probe creates the missing directories and a file, then removes exactly those."""
     (tmp_path / "keep.jsonl").write_text("x\n")

@@ -3,10 +3,18 @@ target, device, dtype and the engine's code all match; one from other engine cod
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
+
+from specbench.cli.main import main
 from specbench.costs import profile
+from specbench.policies import registry
 from specbench.engine.dtypes import dtype_name
 from helpers import tiny_target
+
+REPO = Path(__file__).resolve().parent.parent
+CI_COSTS = REPO / "results" / "baseline" / "ci" / "dspark-costs.json"
 
 
 def test_cached_profile_is_reused_only_for_the_same_engine_code(tmp_path, monkeypatch):
@@ -100,3 +108,30 @@ def test_drafter_cost_takes_more_rounds_until_its_time_budget(monkeypatch):
     assert calls == [1] * 4 + [2] * 4  # one warm-up round each
     out = profile.measure_drafter(fake, 4, [1], context=3, iters=2, min_seconds=1e9, max_iters=5)
     assert [e["n"] for e in out] == [5]
+
+
+@pytest.mark.model
+def test_profile_policy_stores_the_drafting_cost_a_pinned_spec_then_schedules_from(tmp_path, monkeypatch):
+    """`specbench profile --policy SPEC` adds the drafting round's cost SPEC schedules from to the target's
+    profile; a spec whose `profile` is that file schedules from exactly those costs (the CI gate's
+    dspark-pinned: its greedy decisions do not depend on the machine)."""
+    monkeypatch.setattr(profile, "measure_profile", lambda target, **kw: {
+        "entries": [{"batch": b, "q": q, "median_ms": 10.0 + q} for b in (1, 2) for q in (1, 2, 4)],
+        "target": target.name, "target_fingerprint": target.fingerprint, "engine_digest": profile.engine_digest()})
+    source = tmp_path / "source.toml"
+    source.write_text(f'name = "pinned-source"\nbuilder = "specbench.policies.registry:build_dspark"\n[params]\n'
+                      f'drafter = "{REPO / "drafters" / "smollm2-135m" / "dspark"}"\nprofile = "{CI_COSTS}"\n'
+                      f'draft_vocab = 2048\nblock = 4\n')
+    out = tmp_path / "costs.json"
+    assert main(["profile", "--policy", str(source), "--dtype", "float32", "--batches", "1,2", "--qs", "1,2,4",
+                 "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["draft"] == json.loads(CI_COSTS.read_text())["draft"]
+    assert written["draft_policy"] == {"name": "pinned-source", "params": {
+        "drafter": str(REPO / "drafters" / "smollm2-135m" / "dspark"), "draft_vocab": 2048, "block": 4}}
+    pinned = tmp_path / "pinned.toml"
+    pinned.write_text(source.read_text().replace(str(CI_COSTS), str(out)))
+    from specbench.engine.loading import load_model
+    policy = registry.build_policy(str(pinned), load_model("smollm2-135m", dtype="float32"))
+    assert policy.cost_profile["draft"] == written["draft"]
+    assert policy.cost_profile["entries"] == written["entries"]

@@ -162,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--qs", type=arg.list_of(arg.positive_int, "positive integers"), default=[1, 2, 4, 8],
                       help="comma-separated verify lengths q (tokens per row per forward) to time (default 1,2,4,8)")
     arg.add_dtype_argument(prof)
+    prof.add_argument("--policy", default=None,
+                      help="also store the drafting round's cost this DSpark / DFlash policy schedules from (name or spec .toml; "
+                           "scheduler algorithm1 or capacity; with profile = \"auto\" timed here, with the drafter as the "
+                           "policy loads it): a spec with profile = OUT then schedules from these costs on any machine, "
+                           "so its greedy decisions are reproducible")
     prof.add_argument("--out", required=True, help="profile .json to write")
     prof.set_defaults(func=cmd_profile)
     return p
@@ -193,13 +198,32 @@ def cmd_profile(args) -> int:
     from specbench.costs import profile
     from specbench.engine.loading import load_model
 
+    from specbench.policies import registry
+
     device = check_device(args.device)
     arg.check_writable(Path(args.out), "file")
+    spec = registry.read_spec(args.policy) if args.policy else None
+    if spec is not None and (not spec["builder"].endswith(":build_dspark")
+                             or spec["params"].get("scheduler", "algorithm1") not in ("algorithm1", "capacity")):
+        raise UserError(f"policy {spec['name']!r} schedules from no drafter cost: --policy takes a DSpark / DFlash "
+                        "spec whose scheduler is algorithm1 or capacity")
     target = load_model(args.target, device=device, dtype=args.dtype)
+    draft = None
+    if spec is not None:
+        # The drafting round's cost the policy schedules from: with profile = "auto" (policies/dspark.toml) timed
+        # now (or found in the cache) with the drafter as the policy loads it; with a profile file, that file's.
+        costs = getattr(registry.build_policy(args.policy, target), "cost_profile", None)
+        if not costs or "draft" not in costs:
+            raise UserError(f"policy {spec['name']!r}: its cost profile has no drafting-round cost (a `draft` table)")
+        draft = {"draft": costs["draft"],
+                 "draft_policy": {"name": spec["name"], "params": {k: v for k, v in spec["params"].items() if k != "profile"}}}
     data = profile.measure_profile(target, context=args.context, batches=args.batches, qs=args.qs, engine_costs=True)
+    data.update(draft or {})
     profile.save(data, args.out)
     for e in data["entries"]:
         print(f"b={e['batch']:<4} q={e['q']:<3} {e['median_ms']:8.2f} ms")
+    for e in data.get("draft", []):
+        print(f"b={e['batch']:<4} drafting round {e['median_ms']:8.2f} ms")
     print(f"written: {args.out}")
     return 0
 

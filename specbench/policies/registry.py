@@ -193,7 +193,7 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
     calibration = (Path(drafter) if is_published(drafter) else resolve_checkpoint(drafter)) / "calibration.json"
     if calibrated and calibration.is_file():
         temperatures = load_sts(calibration)
-    step_seconds = draft_seconds = None
+    step_seconds = draft_seconds = data = None
     if scheduler in ("algorithm1", "capacity"):
         if profile == "auto":
             data = profiles.load_or_measure(target, drafter=model, drafter_name=drafter,
@@ -203,7 +203,9 @@ def build_dspark(target, drafter: str = "drafters/smollm2-135m/dspark", schedule
         step_seconds = profiles.step_time_model(data)
         if "draft" in data:
             draft_seconds = profiles.draft_time_model(data["draft"])
-    return DSpark(model, scheduler=scheduler, threshold=threshold, sts_temperatures=temperatures,
-                  step_seconds=step_seconds, draft_seconds=draft_seconds, max_length=gamma, drafter_name=drafter,
-                  draft_gate=(scheduler in ("algorithm1", "capacity")) if draft_gate is None else draft_gate,
-                  lookup_ngram=lookup_ngram, lookup_k=lookup_k)
+    policy = DSpark(model, scheduler=scheduler, threshold=threshold, sts_temperatures=temperatures,
+                    step_seconds=step_seconds, draft_seconds=draft_seconds, max_length=gamma, drafter_name=drafter,
+                    draft_gate=(scheduler in ("algorithm1", "capacity")) if draft_gate is None else draft_gate,
+                    lookup_ngram=lookup_ngram, lookup_k=lookup_k)
+    policy.cost_profile = data  # what it schedules from (`specbench profile --policy` stores it)
+    return policy
