@@ -1,10 +1,11 @@
-"""Copies of CPU tensors in one buffer backed by 2 MB pages (Linux transparent huge pages).
+"""CPU tensors laid out in one mapping backed by 2 MB pages (Linux transparent huge pages).
 
 Why: a decode step streams the target's ~120 packed weight matrices once each, and with 4 KB pages
-every 4 KB of that stream is a new page to translate, and the hardware prefetchers stop at each 4 KB
-boundary. Copied into 2 MB pages, the same GEMVs over every pack of the default model ran 8% faster
-at one row and 5% at eight on the 2-core AMD EPYC (interleaved, cold; docs/performance.md
-"Session 29"). The bits are unchanged: the kernels read the same values from other addresses.
+every 4 KB of that stream is a new page to translate (in a VM a two-level walk), and the hardware
+prefetchers stop at each 4 KB boundary. On the 2-core AMD EPYC (interleaved A/B, cold, same process;
+docs/performance.md "Session 29") the GEMVs over every pack ran 8% faster at one row and 5% at eight
+in 2 MB pages, the whole step 2-5% at b <= 16, and DSpark's drafting round 6-12%. The bits are
+unchanged: the kernels read the same values from other addresses.
 
 Where the kernel refuses huge pages (`transparent_hugepage` set to `never`, or not Linux) the copies
 still work, in ordinary pages: `huge_page_copies` is then only a copy. `SPECBENCH_HUGE_PAGES=0` leaves
