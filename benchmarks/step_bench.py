@@ -34,7 +34,6 @@ import specbench.engine.model as model_module  # noqa: E402
 from specbench.engine.core import synchronize  # noqa: E402
 from specbench.engine.cuda_graphs import enable_cuda_graphs  # noqa: E402
 from specbench.engine import huge_pages  # noqa: E402
-from specbench.engine.huge_pages import huge_page_zeros  # noqa: E402
 from specbench.engine.model import ModelArgs, Transformer  # noqa: E402
 from specbench.engine.dtypes import DTYPES, cast_model, dtype_name, measure_cpu_dtypes  # noqa: E402
 from specbench.costs.profile import floor_ms, streaming_bandwidth, time_forward, weight_bytes  # noqa: E402
@@ -132,7 +131,7 @@ def paired_floor(model: Transformer, context: int, pairs: int, qs=(1, 8), n_byte
     rate can switch between levels within seconds (29-31 or 51-59 GB/s on the 2-core EPYC,
     docs/performance.md "Session 13"), so a floor from the best of a few sums set against a median of
     steps taken later may compare two machine states; these pairs compare like with like."""
-    buf = huge_page_zeros(n_bytes // 4, torch.float32).uniform_() if huge_pages.ENABLED else torch.rand(n_bytes // 4)
+    buf = huge_pages.read_probe(n_bytes // 4, torch.device("cpu")).uniform_()
     buf.sum()
     fractions, rates, steps = [], [], {q: [] for q in qs}
     for q in qs:

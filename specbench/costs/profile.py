@@ -33,7 +33,6 @@ from specbench import resources
 from specbench.costs.schema import DRAFTER_COSTS_FILE, drafter_cost_key
 from specbench.engine import huge_pages
 from specbench.engine.core import SamplingConfig, generate, synchronize
-from specbench.engine.huge_pages import huge_page_zeros
 from specbench.engine.model import Transformer, round_to_bucket
 from specbench.engine.timing import device_name, time_forward  # noqa: F401 (part of this module's API)
 from specbench.engine.policy import BatchState, Draft, Policy
@@ -66,9 +65,8 @@ def streaming_bandwidth(device: torch.device | str, n_bytes: int = 2**30, iters:
         dst = torch.empty_like(src)
         work, moved = (lambda: dst.copy_(src)), 2 * n_bytes
     else:
-        # In 2 MB pages, as the weight packs are (engine/huge_pages.py): the floor is the faster read.
-        buf = huge_page_zeros(n_bytes // 4, torch.float32).fill_(1.0) if huge_pages.ENABLED else \
-            torch.ones(n_bytes // 4, dtype=torch.float32)
+        # In 2 MB pages on a CPU, as the weight packs are (engine/huge_pages.py): the floor is the faster read.
+        buf = huge_pages.read_probe(n_bytes // 4, device)
         work, moved = buf.sum, n_bytes
     work()
     for _ in range(iters):

@@ -41,6 +41,14 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> Tensor:
     return huge_page_empty([((numel,), dtype)])[0]
 
 
+def read_probe(numel: int, device: torch.device) -> Tensor:
+    """A float32 buffer of ones for a read-rate probe, in the pages a step's weights use on `device`: 2 MB
+    pages on a CPU (unless ENABLED is off), else an ordinary tensor there."""
+    if device.type == "cpu" and ENABLED:
+        return huge_page_zeros(numel, torch.float32).fill_(1.0)
+    return torch.ones(numel, dtype=torch.float32, device=device)
+
+
 def huge_page_empty(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
     """Zero-filled contiguous CPU tensors of the given (shape, dtype)s, one after another (each on a
     cache line) in one anonymous mapping, the first on a 2 MB boundary, the mapping advised MADV_HUGEPAGE.

@@ -191,6 +191,9 @@ def fresh_pack(weight: Tensor, packs: Packs | None) -> Packs | None:
     return packs
 
 
+PACK_ATTRIBUTES = ("gemm_pack", "qkv_gemm_pack", "gate_up_gemm_pack")  # where modules keep their Packs
+
+
 def pack_linears(module: nn.Module) -> None:
     """`pack_weight` for every `Linear` under `module` (a drafter's projections: bf16 on a CPU
     they then run packed like the target's; elsewhere the packs are None). Call again after
@@ -199,9 +202,6 @@ def pack_linears(module: nn.Module) -> None:
         if isinstance(m, Linear):
             m.gemm_pack = pack_weight(m.weight)
     gemv_packs_in_huge_pages(module)
-
-
-PACK_ATTRIBUTES = ("gemm_pack", "qkv_gemm_pack", "gate_up_gemm_pack")
 
 
 def gemv_packs_in_huge_pages(module: nn.Module) -> None:
@@ -237,7 +237,7 @@ class Linear(nn.Linear):
 
 
 def _without_packs(state: dict) -> dict:
-    return {**state, **{k: None for k in ("gemm_pack", "qkv_gemm_pack", "gate_up_gemm_pack") if k in state}}
+    return {**state, **{k: None for k in PACK_ATTRIBUTES if k in state}}
 
 
 def pack_rows(projections) -> tuple[Tensor, Tensor | None]:
