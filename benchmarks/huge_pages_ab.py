@@ -1,5 +1,6 @@
 """The weight packs and KV caches in 2 MB pages (specbench/engine/huge_pages.py) against 4 KB pages, on
-the real target in bf16 and the shipped DSpark drafter (not a test: numbers go to docs/performance.md).
+the real target in bf16 and the shipped DSpark and EAGLE drafters (a DSpark drafting round, and an EAGLE
+chain round as policies/eagle-chain.toml drafts it) (not a test: numbers go to docs/performance.md).
 
 Two copies of each are built in one process, one with huge pages off (as before session 29) and one
 with them on, and timed interleaved in random order, each step right after a 256 MB read so that
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from specbench.atomic import write_json
 from specbench.drafters.dspark import load_dspark_drafter
+from specbench.drafters.eagle import load_eagle_head
 from specbench.engine import huge_pages
 from specbench.engine.loading import load_model
 from specbench.engine.model import round_to_bucket
@@ -33,7 +35,21 @@ CONTEXT = 256
 STEPS = [(1, 1), (1, 4), (1, 8), (8, 1), (16, 1), (16, 4)]  # (batch, q)
 
 
-def build(on: bool, drafter_dir: str, draft_vocab: int, block: int):
+def eagle_chain_round(head, vocab, depth: int) -> None:
+    """One greedy EAGLE chain drafting round at b = 1, as policies/eagle.py's `_chain` runs it: the
+    draft head's logits, then `depth - 1` steps of the head layer, each followed by the logits."""
+    ctx = head.ctx_len[:1]
+    hidden = head.h_last[:1]
+    keys = torch.arange(head.kv_len(int(ctx.max()) + depth))[None, None]
+    for step in range(depth):
+        logits, ids = head.draft_logits(hidden, vocab)
+        x = ids[logits.argmax(-1)]
+        if step + 1 < depth:
+            pos = (ctx + step)[:, None]
+            hidden = head.step(hidden[:, None], x[:, None], pos, pos, keys <= pos[..., None])[:, 0]
+
+
+def build(on: bool, drafter_dir: str, draft_vocab: int, block: int, eagle_dir: str, eagle_vocab: int):
     huge_pages.ENABLED = on  # read when packs and caches are made
     loaded = load_model("smollm2-135m", dtype=torch.bfloat16)
     target = getattr(loaded, "model", loaded)
@@ -47,7 +63,15 @@ def build(on: bool, drafter_dir: str, draft_vocab: int, block: int):
         drafter.append_context(torch.randn(1, CONTEXT, dim, generator=torch.Generator().manual_seed(0)).bfloat16())
         for _ in range(3):  # the layer packs are made on first use, while ENABLED is this arm's
             drafter.draft_block(torch.tensor([1234]), None, temperature=0.0, with_probs=False)
-    return target, drafter
+    eagle = load_eagle_head(eagle_dir, loaded)
+    eagle_vocab_rows = eagle.draft_vocab(eagle_vocab)
+    with torch.inference_mode():
+        eagle.setup_cache(1, 512)
+        features = torch.randn(1, CONTEXT, dim, generator=torch.Generator().manual_seed(1)).bfloat16()
+        eagle.append_context(features, torch.randint(0, 49152, (1, CONTEXT)), torch.tensor([CONTEXT]))
+        for _ in range(3):  # the head pack is made on first use, too
+            eagle_chain_round(eagle, eagle_vocab_rows, 3)
+    return target, drafter, (eagle, eagle_vocab_rows)
 
 
 def main() -> None:
@@ -56,10 +80,14 @@ def main() -> None:
     ap.add_argument("--drafter", default="drafters/smollm2-135m/dspark")
     ap.add_argument("--draft-vocab", type=int, default=2048, help="as policies/dspark.toml")
     ap.add_argument("--block", type=int, default=4, help="as policies/dspark.toml")
+    ap.add_argument("--eagle", default="drafters/smollm2-135m/eagle")
+    ap.add_argument("--eagle-vocab", type=int, default=2048, help="as policies/eagle-chain.toml")
+    ap.add_argument("--eagle-depth", type=int, default=3, help="as policies/eagle-chain.toml")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     was = huge_pages.ENABLED
-    arms = {on: build(on, args.drafter, args.draft_vocab, args.block) for on in (False, True)}
+    arms = {on: build(on, args.drafter, args.draft_vocab, args.block, args.eagle, args.eagle_vocab)
+            for on in (False, True)}
     huge_pages.ENABLED = was
     read = torch.rand(2 ** 28)  # 1 GiB: the phase
     evict = read[: 2 ** 26]  # 256 MB: larger than the L3, so every arm starts cold
@@ -76,11 +104,17 @@ def main() -> None:
                     (t,) = time_forward(arms[on][0], b, q, CONTEXT, iters=1, warmup=0)
                     times.setdefault(f"target b={b} q={q}", {False: [], True: []})[on].append(t)
             for on in random.sample([False, True], 2):  # a drafting round right after a target step, as in decoding
-                target, drafter = arms[on]
+                target, drafter, _ = arms[on]
                 time_forward(target, 1, 1, CONTEXT, iters=1, warmup=0)
                 start = time.perf_counter()
                 drafter.draft_block(torch.tensor([1234]), None, temperature=0.0, with_probs=False)
                 times.setdefault("dspark draft_block b=1", {False: [], True: []})[on].append(time.perf_counter() - start)
+            for on in random.sample([False, True], 2):
+                target, _, (eagle, eagle_vocab_rows) = arms[on]
+                time_forward(target, 1, 1, CONTEXT, iters=1, warmup=0)
+                start = time.perf_counter()
+                eagle_chain_round(eagle, eagle_vocab_rows, args.eagle_depth)
+                times.setdefault("eagle chain round b=1", {False: [], True: []})[on].append(time.perf_counter() - start)
     med = statistics.median
     rows = []
     for name, arm in times.items():

@@ -109,3 +109,38 @@ def test_a_bf16_model_keeps_its_packs_and_caches_in_huge_page_mappings_and_compu
     assert torch.equal(out, plain_out)
     plain_caches = [getattr(layer.self_attn, name) for layer in plain.model.layers for name in ("k_cache", "v_cache")]
     assert all(torch.equal(a, b) for a, b in zip(caches, plain_caches))
+
+
+def test_cache_zeros_share_one_mapping_on_a_cpu_and_are_plain_zeros_elsewhere(monkeypatch):
+    layout = [((2, 3, 16, 8), torch.bfloat16)] * 4
+    caches = huge_pages.cache_zeros(layout, torch.device("cpu"))
+    assert laid_end_to_end(caches) and caches[0].data_ptr() % HUGE_PAGE == 0
+    assert all(c.shape == (2, 3, 16, 8) and c.dtype == torch.bfloat16 and not c.any() for c in caches)
+    (meta,) = huge_pages.cache_zeros(layout[:1], torch.device("meta"))  # any other device: torch.zeros there
+    assert meta.device.type == "meta" and meta.shape == (2, 3, 16, 8)
+    monkeypatch.setattr(huge_pages, "ENABLED", False)
+    assert not laid_end_to_end(huge_pages.cache_zeros(layout, torch.device("cpu")))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the bf16 kernels need AVX-512 BF16")
+def test_drafters_keep_their_caches_and_head_packs_in_huge_page_mappings():
+    """DSpark's context caches and EAGLE's caches and packed draft head are streamed every drafting
+    round, as the target's packs are: in 2 MB pages too (what they compute is covered by the bf16
+    greedy-identity tests of tests/test_eagle.py and tests/test_dspark_policy.py)."""
+    from specbench.drafters.dspark import DSparkArgs, build_drafter
+    from specbench.drafters.eagle import EagleArgs, build_head
+    from specbench.engine.dtypes import cast_model
+
+    target = cast_model(tiny_model(vocab=64, layers=3), torch.bfloat16)
+    dspark = build_drafter(DSparkArgs.for_target(target.args, tap_layers=[0, 1, 2], n_layers=2, block_size=4,
+                                                 markov_rank=8), target).to(torch.bfloat16).eval()
+    dspark.setup_cache(2, 32)
+    assert laid_end_to_end(dspark.k_cache + dspark.v_cache) and dspark.k_cache[0].data_ptr() % HUGE_PAGE == 0
+    eagle = build_head(EagleArgs.for_target(target.args, [0, 1, 2]), target, dtype=torch.bfloat16).eval()
+    eagle.setup_cache(2, 32)
+    attn = eagle.layer.self_attn
+    assert laid_end_to_end([attn.k_cache, attn.v_cache]) and attn.k_cache.data_ptr() % HUGE_PAGE == 0
+    with torch.inference_mode():
+        eagle.logits(torch.randn(1, target.args.dim).bfloat16())
+    (packs,) = eagle._head_pack.values()
+    assert packs.gemv is not None and packs.gemv.data_ptr() % HUGE_PAGE == 0

@@ -482,9 +482,10 @@ class DSparkDrafter(nn.Module):
         if max_batch > self.max_batch or max_ctx > self.max_ctx:
             a = self.args.model_args
             shape = (max_batch, a.n_kv_heads, max_ctx + 1 + self.block_size, a.head_dim)
-            with torch.inference_mode(False):  # normal tensors: usable inside and outside inference_mode
-                self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
-                self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
+            # Normal tensors (usable inside and outside inference_mode); on a CPU in 2 MB pages like every
+            # other tensor a drafting round streams (huge_pages.py).
+            caches = huge_pages.cache_zeros([(shape, dtype)] * (2 * len(self.layers)), self.device)
+            self.k_cache, self.v_cache = caches[0::2], caches[1::2]
             self.max_batch, self.max_ctx = max_batch, max_ctx
             self._forget_round_routes()
         self.reset(max_batch)

@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specbench.errors import UserError
+from specbench.engine import huge_pages
 from specbench.engine.model import (MLP, Attention, Linear, ModelArgs, RMSNorm, apply_rope, fresh_pack, linear,
-                                    pack_weight, pack_linears, rope_cos_sin, rope_inv_freq, round_to_bucket,
-                                    seeded_normal)
+                                    pack_weight, pack_linears, packs_in_huge_pages, rope_cos_sin, rope_inv_freq,
+                                    round_to_bucket, seeded_normal)
 
 KIND = "eagle"
 
@@ -236,7 +237,7 @@ class EagleHead(nn.Module):
             packs = self._head_pack or {}
             if key not in packs:  # at most the whole head and one draft vocabulary's rows in use
                 packs = {k: v for k, v in list(packs.items())[-1:]}
-                packs[key] = pack_weight(w)
+                packs[key] = packs_in_huge_pages(pack_weight(w))  # read every draft step, as the layers' packs
                 self._head_pack = packs
             return linear(h, w, None, fresh_pack(w, packs[key]))
         return F.linear(h, w)
@@ -311,9 +312,9 @@ class EagleHead(nn.Module):
         if max_batch > self.max_batch or max_seq > self.max_seq:
             a = self.args.model_args
             shape = (max_batch, a.n_kv_heads, max_seq, a.head_dim)
-            with torch.inference_mode(False):
-                attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-                attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            # Normal tensors; on a CPU in 2 MB pages like every other tensor a round streams (huge_pages.py;
+            # with the head pack below, no measurable change on its own: docs/performance.md "Session 30").
+            attn.k_cache, attn.v_cache = huge_pages.cache_zeros([(shape, dtype)] * 2, self.device)
             self.max_batch, self.max_seq = max_batch, max_seq
         self.ctx_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.h_last = torch.zeros(max_batch, self.args.model_args.dim, dtype=self.dtype, device=self.device)

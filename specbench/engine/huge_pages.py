@@ -49,6 +49,16 @@ def read_probe(numel: int, device: torch.device) -> Tensor:
     return torch.ones(numel, dtype=torch.float32, device=device)
 
 
+def cache_zeros(layout: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[Tensor]:
+    """Zero-filled tensors of the given (shape, dtype)s on `device`, for KV caches: on a CPU (unless
+    ENABLED is off) in one 2 MB-page mapping (`huge_page_empty`; one mapping, so that small caches do
+    not each take a 2 MB page), elsewhere a `torch.zeros` each. Normal tensors, even in inference mode."""
+    if torch.device(device).type == "cpu" and ENABLED:
+        return huge_page_empty(layout)
+    with torch.inference_mode(False):
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in layout]
+
+
 def huge_page_empty(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> list[Tensor]:
     """Zero-filled contiguous CPU tensors of the given (shape, dtype)s, one after another (each on a
     cache line) in one anonymous mapping, the first on a 2 MB boundary, the mapping advised MADV_HUGEPAGE.

@@ -584,11 +584,7 @@ class Transformer(nn.Module):
         # On a CPU in 2 MB pages, as the weight packs (huge_pages.py): a b = 16 step over 256 cached
         # tokens ran 2-6% faster at q = 1 (docs/performance.md "Session 29").
         # One mapping for every layer's K and V, so small caches do not each take a 2 MB page.
-        n_caches = 2 * len(self.model.layers)
-        with torch.inference_mode(False):
-            caches = (huge_pages.huge_page_empty([(shape, dtype)] * n_caches)
-                      if self.device.type == "cpu" and huge_pages.ENABLED else
-                      [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_caches)])
+        caches = huge_pages.cache_zeros([(shape, dtype)] * (2 * len(self.model.layers)), self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = caches[2 * i], caches[2 * i + 1]
         self.max_batch, self.max_seq = max_batch, max_seq
