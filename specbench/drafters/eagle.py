@@ -313,7 +313,7 @@ class EagleHead(nn.Module):
             a = self.args.model_args
             shape = (max_batch, a.n_kv_heads, max_seq, a.head_dim)
             # Normal tensors; on a CPU in 2 MB pages like every other tensor a round streams (huge_pages.py;
-            # with the head pack below, no measurable change on its own: docs/performance.md "Session 30").
+            # with the head pack of `_project`, no measurable change on its own: docs/performance.md "Session 30").
             attn.k_cache, attn.v_cache = huge_pages.cache_zeros([(shape, dtype)] * 2, self.device)
             self.max_batch, self.max_seq = max_batch, max_seq
         self.ctx_len = torch.zeros(max_batch, dtype=torch.long, device=self.device)
