@@ -580,8 +580,11 @@ class DSparkDrafter(nn.Module):
                                           layer.post_attention_layernorm.weight, packs[2], packs[3], packs[4])):
                     out.append(t)
             if lists is not None and huge_pages.ENABLED:  # streamed every round, as the target's are
-                for i in (1, 2, 4, 5, 6):
-                    lists[i][:] = huge_pages.huge_page_copies(lists[i])
+                # One mapping for every layer's packs, as the target's: not one partly used 2 MB page per list.
+                streamed = (1, 2, 4, 5, 6)
+                copies = iter(huge_pages.huge_page_copies([t for i in streamed for t in lists[i]]))
+                for i in streamed:
+                    lists[i][:] = [next(copies) for _ in lists[i]]
             self._layer_packs = (snapshot, lists)  # None too: not rebuilt until a weight changes
         return self._layer_packs[1]
 
