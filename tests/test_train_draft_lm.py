@@ -260,3 +260,25 @@ def test_warm_start_from_a_trained_draft_lm(target, data, trained, tmp_path):
     with pytest.raises(UserError, match="n_layers"):
         draft_lm.train(target, data, tmp_path / "d", budget={**TINY, "steps": 4, "lm_layers": 3}, seed=0,
                        progress=False, init=str(trained.out_dir))
+
+
+def test_warm_start_keeps_the_init_token_ranking(target, data, trained, tmp_path):
+    """A continued run keeps its init's token ranking (the reduced draft vocabulary fixed-K drafts from),
+    as the EAGLE and DSpark warm starts keep theirs, instead of re-ranking by this run's data alone; a run
+    from the target's layers ranks by its own training split."""
+    import shutil
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    shutil.copytree(trained.out_dir, src)
+    vocab = target.model.args.vocab_size
+    other = torch.randperm(vocab, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(shard)
+        if "vocab_rank" in tensors:
+            assert not torch.equal(tensors["vocab_rank"], other)
+            save_file({**tensors, "vocab_rank": other}, shard, metadata={"format": "pt"})
+    cont = draft_lm.train(target, data, tmp_path / "w", budget={**TINY, "steps": 2}, seed=0, progress=False,
+                          init=str(src))
+    assert torch.equal(weights(cont.out_dir)["vocab_rank"], other)
+    scratch = draft_lm.train(target, data, tmp_path / "s", budget={**TINY, "steps": 2}, seed=0, progress=False)
+    assert torch.equal(weights(scratch.out_dir)["vocab_rank"], weights(trained.out_dir)["vocab_rank"])

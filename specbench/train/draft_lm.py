@@ -181,6 +181,13 @@ def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, r
     torch.manual_seed(seed)
     draft = init_draft_lm(target.model, n_layers, init_layers_from)
     warm = warm_start(draft, init, target, KIND, draft.args.to_dict()) if init else None
+    # A continued run keeps its init's token ranking, as the EAGLE and DSpark warm starts keep their draft
+    # vocabularies: continuing on a narrower corpus (e.g. code only) must not re-rank the tokens the
+    # policy drafts from by that corpus alone. The ranking is not used by the loss.
+    init_rank = None
+    if init:
+        from specbench.drafters.checkpoints import read_checkpoint  # as common.warm_start imports it
+        init_rank = read_checkpoint(init, target, kind=KIND)[1].get("vocab_rank")
     train_idx, val_idx = data.split(budget.get("val_fraction", 0.05), seed)
     cfg = LoopConfig.from_budget(budget, seed)
 
@@ -211,9 +218,10 @@ def train(target, data: TrainingData, out_dir, *, budget: dict, seed: int = 0, r
         "loss": {"ce_weight": ce_w, "kl_weight": kl_w, "positions": positions}, "final": final, "train_s": round(train_s, 1),
         "device": str(device), "torch": torch.__version__, "warm_start": warm,
     }
-    # The response tokens' frequency ranking of the training split: the fixed-K policy's reduced
-    # draft vocabulary (`draft_vocab = n`) is its first n tokens.
-    state = {**draft.state_dict(), "vocab_rank": vocab_rank(data, train_idx, draft.args.vocab_size)}
+    # The response tokens' frequency ranking of the training split (or the init's): the fixed-K policy's
+    # reduced draft vocabulary (`draft_vocab = n`) is its first n tokens.
+    rank = init_rank if init_rank is not None else vocab_rank(data, train_idx, draft.args.vocab_size)
+    state = {**draft.state_dict(), "vocab_rank": rank}
     save_drafter(out_dir, KIND, draft.args.to_dict(), state, target, summary)
     plot_loss_curve(history, out_dir / CURVE_FILE, title=f"{policy} draft LM for {target.name}")
     return result
