@@ -1,0 +1,169 @@
+"""How close to the floor can a b = 1 step get at all? Reads the target's own weight packs, no arithmetic
+(not a test: numbers go to docs/performance.md).
+
+The floor `step_bench.py` quotes is the step's weight bytes over the rate of one 1 GiB `torch.sum`. A step
+reads those bytes as 121 separate packs (4 a layer and the LM head), each split between the threads and
+followed by a wait for the slower one. This times, cold (right after a 1 GiB read that also gives the
+rate of the moment), three plain reads of exactly those packs in the order a forward reads them:
+
+  regions    one `at::parallel_for` per pack with the GEMV's split (blocks of 32 rows, grain 4): the
+             GEMV's memory pattern without its arithmetic or the small ops between the matrices;
+  barriers   one OpenMP region for all packs, each thread its same share of each pack, a barrier after
+             each pack (what a persistent-thread forward would do);
+  no-waits   the same without the barriers: each thread streams its shares back to back (the bound of
+             a perfect balance between the threads);
+
+and the real b = 1, q = 1 step (one-call forward, context 256) in the same pairs. Each is reported as
+the median of (floor at the rate just measured) / (its time): 1.0 means as fast as the 1 GiB sum.
+
+Usage (an otherwise idle machine; bf16 on a CPU with AVX-512 BF16):
+  python benchmarks/pack_read.py --pairs 30 --out results/perf/cpu-pack-read-epyc.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specbench.atomic import write_json
+from specbench.engine import cpu_kernels, huge_pages
+from specbench.engine.loading import load_model
+from specbench.engine.timing import device_name, time_forward
+
+CONTEXT = 256
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
+
+// Two independent add chains over 128-byte steps: the loads, not the adds, set the pace.
+static inline __m512 read_range(const char* p, int64_t n, __m512 acc) {
+  __m512 other = _mm512_setzero_ps();
+  for (int64_t i = 0; i + 128 <= n; i += 128) {
+    acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_loadu_si512(p + i)));
+    other = _mm512_add_ps(other, _mm512_castsi512_ps(_mm512_loadu_si512(p + i + 64)));
+  }
+  return _mm512_add_ps(acc, other);
+}
+
+static inline int64_t block_bytes(const at::Tensor& t) { return t.numel() / t.size(0) * 2; }
+
+double read_regions(std::vector<at::Tensor> packs) {
+  double total = 0;
+  for (const at::Tensor& t : packs) {
+    const int64_t bb = block_bytes(t);
+    const char* base = static_cast<const char*>(t.data_ptr());
+    float out[64] = {0};
+    at::parallel_for(0, t.size(0), 4, [&](int64_t b0, int64_t b1) {
+      out[at::get_thread_num() % 64] += _mm512_reduce_add_ps(read_range(base + b0 * bb, (b1 - b0) * bb, _mm512_setzero_ps()));
+    });
+    for (float v : out) total += v;
+  }
+  return total;
+}
+
+template <bool WAIT>
+double read_one_region(std::vector<at::Tensor> packs) {
+  float out[64] = {0};
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    __m512 acc = _mm512_setzero_ps();
+    for (const at::Tensor& t : packs) {
+      const int64_t blocks = t.size(0), per = (blocks + nt - 1) / nt;
+      const int64_t b0 = std::min(blocks, tid * per), b1 = std::min(blocks, b0 + per), bb = block_bytes(t);
+      acc = read_range(static_cast<const char*>(t.data_ptr()) + b0 * bb, (b1 - b0) * bb, acc);
+      if (WAIT) {
+#pragma omp barrier
+      }
+    }
+    out[tid % 64] = _mm512_reduce_add_ps(acc);
+  }
+  double total = 0;
+  for (float v : out) total += v;
+  return total;
+}
+
+TORCH_LIBRARY(specbench_pack_read, m) {
+  m.def("regions(Tensor[] packs) -> float", read_regions);
+  m.def("barriers(Tensor[] packs) -> float", read_one_region<true>);
+  m.def("no_waits(Tensor[] packs) -> float", read_one_region<false>);
+}
+"""
+
+
+def forward_packs(model) -> list[torch.Tensor]:
+    """The GEMV packs a bf16 one-call forward reads, in its order: q|k|v, o, gate|up, down a layer, the head."""
+    lists, tail = model._build_kernel_stack(), model._kernel_tail()
+    if lists is None or tail is None or tail[2] is None:
+        raise SystemExit("pack_read: the bf16 one-call forward does not apply here (needs AVX-512 BF16)")
+    packs = [p for i in range(len(lists[1])) for p in (lists[1][i], lists[2][i], lists[4][i], lists[5][i])]
+    return packs + [tail[2]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit("pack_read: the bf16 CPU kernels are not available on this machine")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "pack_read.cpp"
+        src.write_text(SOURCE)
+        if not cpu_kernels.build("specbench_pack_read", src, ["-O3", "-mavx512f", "-fopenmp"], "the pack-read loops"):
+            raise SystemExit("pack_read: its loops could not be built")
+    ops = torch.ops.specbench_pack_read
+
+    model = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16).model
+    time_forward(model, 1, 1, CONTEXT, iters=0, warmup=3)  # packs the weights
+    packs = forward_packs(model)
+    n_bytes = sum(p.numel() * p.element_size() for p in packs)
+    probe_bytes = 2**30
+    probe = huge_pages.read_probe(probe_bytes // 4, torch.device("cpu")).uniform_()
+    probe.sum()
+    arms = {"regions": lambda: ops.regions(packs), "barriers": lambda: ops.barriers(packs),
+            "no_waits": lambda: ops.no_waits(packs),
+            "step_q1": lambda: time_forward(model, 1, 1, CONTEXT, iters=1, warmup=0)}
+    for name in ("regions", "barriers", "no_waits"):
+        arms[name]()
+    fractions = {name: [] for name in arms}
+    ms = {name: [] for name in arms}
+    rates = []
+    for _ in tqdm(range(args.pairs), desc="pairs"):
+        for name, run in arms.items():
+            t0 = time.perf_counter()
+            probe.sum()
+            rate = probe_bytes / (time.perf_counter() - t0)
+            rates.append(rate)
+            t0 = time.perf_counter()
+            out = run()
+            took = time.perf_counter() - t0 if name != "step_q1" else out[0]
+            ms[name].append(1e3 * took)
+            fractions[name].append(n_bytes / rate / took)
+    med = statistics.median
+    result = {
+        "device_name": device_name(torch.device("cpu")), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "packs": len(packs), "weight_bytes": n_bytes,
+        "pairs": args.pairs, "context": CONTEXT,
+        "read_rate_gb_s_min_median_max": [min(rates) / 1e9, med(rates) / 1e9, max(rates) / 1e9],
+        "arms": {name: {"ms_median": med(ms[name]), "floor_fraction_median": med(fractions[name]),
+                        "floor_fraction_quartiles": statistics.quantiles(fractions[name], n=4)[::2]}
+                 for name in arms},
+    }
+    write_json(args.out, result)
+    for name, r in result["arms"].items():
+        print(f"{name:9s} {r['ms_median']:6.2f} ms  {r['floor_fraction_median']:.3f} of the floor "
+              f"(quartiles {r['floor_fraction_quartiles'][0]:.3f}-{r['floor_fraction_quartiles'][1]:.3f})")
+    print("read rate min / median / max GB/s:", ", ".join(f"{v:.1f}" for v in result["read_rate_gb_s_min_median_max"]))
+
+
+if __name__ == "__main__":
+    main()
