@@ -14,7 +14,9 @@ rate of the moment), three plain reads of exactly those packs in the order a for
              a perfect balance between the threads);
 
 and the real b = 1, q = 1 step (one-call forward, context 256) in the same pairs. Each is reported as
-the median of (floor at the rate just measured) / (its time): 1.0 means as fast as the 1 GiB sum.
+the median of (floor at the rate just measured) / (its time): 1.0 means as fast as the 1 GiB sum. A read's
+floor is the bytes it reads; the step's is the suite's (`costs.profile.floor_ms`: its weights and its 256
+cached tokens' K/V, as step_bench.py quotes it).
 
 Usage (an otherwise idle machine; bf16 on a CPU with AVX-512 BF16):
   python benchmarks/pack_read.py --pairs 30 --out results/perf/cpu-pack-read-epyc.json
@@ -31,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from specbench.atomic import write_json
+from specbench.costs.profile import floor_ms
 from specbench.engine import cpu_kernels, huge_pages
 from specbench.engine.loading import load_model
 from specbench.engine.timing import device_name, time_forward
@@ -147,7 +150,8 @@ def main() -> None:
             out = run()
             took = time.perf_counter() - t0 if name != "step_q1" else out[0]
             ms[name].append(1e3 * took)
-            fractions[name].append(n_bytes / rate / took)
+            floor_s = 1e-3 * floor_ms(model, 1, CONTEXT, rate) if name == "step_q1" else n_bytes / rate
+            fractions[name].append(floor_s / took)
     med = statistics.median
     result = {
         "device_name": device_name(torch.device("cpu")), "torch": torch.__version__, "threads": torch.get_num_threads(),
