@@ -4,7 +4,7 @@
 The floor `step_bench.py` quotes is the step's weight bytes over the rate of one 1 GiB `torch.sum`. A step
 reads those bytes as 121 separate packs (4 a layer and the LM head), each split between the threads and
 followed by a wait for the slower one. This times, cold (right after a 1 GiB read that also gives the
-rate of the moment), three plain reads of exactly those packs in the order a forward reads them:
+rate of the moment), plain reads of exactly those packs in the order a forward reads them:
 
   regions    one `at::parallel_for` per pack with the GEMV's split (blocks of 32 rows, grain 4): the
              GEMV's memory pattern without its arithmetic or the small ops between the matrices;
@@ -12,6 +12,16 @@ rate of the moment), three plain reads of exactly those packs in the order a for
              each pack (what a persistent-thread forward would do);
   no-waits   the same without the barriers: each thread streams its shares back to back (the bound of
              a perfect balance between the threads);
+  claimed    each pack in chunks of 4 blocks that the threads claim as they go, one from each end (a
+             dynamic balance between the threads, in place of the even split);
+  mirrored   `barriers` with every other pack's split mirrored, so that at each pack boundary one thread
+             carries on where it stopped (the packs lie back to back in forward order);
+  thread-major  the packs copied so that each thread's shares of all of them lie back to back in a
+             buffer of its own, read with a barrier after each pack: one unbroken stream per thread (a
+             layout the suite does not use; the bound of the one above);
+  gemvs      the suite's own GEMV (one row) over every pack in turn: the weight stream with its
+             arithmetic but without the small ops between the matrices (with one small allocation
+             and one read-back a pack);
 
 and the real b = 1, q = 1 step (one-call forward, context 256) in the same pairs. Each is reported as
 the median of (floor at the rate just measured) / (its time): 1.0 means as fast as the 1 GiB sum. A read's
@@ -45,6 +55,8 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <atomic>
+#include <tuple>
 
 // Two independent add chains over 128-byte steps: the loads, not the adds, set the pace.
 static inline __m512 read_range(const char* p, int64_t n, __m512 acc) {
@@ -72,7 +84,7 @@ double read_regions(std::vector<at::Tensor> packs) {
   return total;
 }
 
-template <bool WAIT>
+template <bool WAIT, bool MIRROR = false>
 double read_one_region(std::vector<at::Tensor> packs) {
   float out[64] = {0};
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -81,7 +93,9 @@ double read_one_region(std::vector<at::Tensor> packs) {
     __m512 acc = _mm512_setzero_ps();
     for (const at::Tensor& t : packs) {
       const int64_t blocks = t.size(0), per = (blocks + nt - 1) / nt;
-      const int64_t b0 = std::min(blocks, tid * per), b1 = std::min(blocks, b0 + per), bb = block_bytes(t);
+      int64_t b0 = std::min(blocks, tid * per), b1 = std::min(blocks, b0 + per);
+      if (MIRROR && (&t - packs.data()) % 2) std::tie(b0, b1) = std::make_pair(blocks - b1, blocks - b0);
+      const int64_t bb = block_bytes(t);
       acc = read_range(static_cast<const char*>(t.data_ptr()) + b0 * bb, (b1 - b0) * bb, acc);
       if (WAIT) {
 #pragma omp barrier
@@ -94,9 +108,100 @@ double read_one_region(std::vector<at::Tensor> packs) {
   return total;
 }
 
+// Each pack cut into chunks of 4 blocks that the threads claim as they go, thread 0 from the front and
+// thread 1 from the back (one shared count of chunks claimed keeps the two from meeting twice): each
+// thread's stream stays contiguous within a chunk, and a thread the memory system serves faster takes
+// more of the pack instead of waiting for the other.
+double read_claimed(std::vector<at::Tensor> packs) {
+  double total = 0;
+  for (const at::Tensor& t : packs) {
+    const int64_t bb = block_bytes(t), chunk = 4, chunks = (t.size(0) + chunk - 1) / chunk;
+    const char* base = static_cast<const char*>(t.data_ptr());
+    float out[64] = {0};
+    std::atomic<int64_t> claimed{0};
+    at::parallel_for(0, 2, 1, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t mine = 0; claimed.fetch_add(1, std::memory_order_relaxed) < chunks; ++mine) {
+          const int64_t c = w == 0 ? mine : chunks - 1 - mine;
+          const int64_t b0 = c * chunk, b1 = std::min(t.size(0), b0 + chunk);
+          acc = read_range(base + b0 * bb, (b1 - b0) * bb, acc);
+        }
+        out[w] += _mm512_reduce_add_ps(acc);
+      }
+    });
+    for (float v : out) total += v;
+  }
+  return total;
+}
+
+// The suite's own GEMV (specbench_cpu::gemv_bf16, one row of x) over every pack in turn: the step's
+// weight stream with its arithmetic, without the small ops between the matrices.
+double gemvs(std::vector<at::Tensor> packs) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("specbench_cpu::gemv_bf16", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  double total = 0;
+  for (const at::Tensor& t : packs) {
+    at::Tensor x = at::ones({1, t.size(1) * 2}, t.options());
+    total += op.call(x, t, t.size(0) * 32)[0][0].item<double>();
+  }
+  return total;
+}
+
+// The packs laid out thread-major: thread t's shares of every pack, in forward order, back to back in one
+// buffer of its own (`thread_major` makes them), read with a barrier after each pack as in `barriers`:
+// whether one long contiguous stream per thread keeps the prefetchers going across the barriers.
+std::vector<at::Tensor> thread_major(std::vector<at::Tensor> packs, int64_t threads) {
+  std::vector<int64_t> bytes(threads, 0);
+  for (const at::Tensor& t : packs) {
+    const int64_t blocks = t.size(0), per = (blocks + threads - 1) / threads;
+    for (int64_t i = 0; i < threads; ++i)
+      bytes[i] += (std::min(blocks, (i + 1) * per) - std::min(blocks, i * per)) * block_bytes(t);
+  }
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < threads; ++i) out.push_back(at::empty({bytes[i]}, at::kByte));
+  std::vector<int64_t> at_(threads, 0);
+  for (const at::Tensor& t : packs) {
+    const int64_t blocks = t.size(0), per = (blocks + threads - 1) / threads, bb = block_bytes(t);
+    for (int64_t i = 0; i < threads; ++i) {
+      const int64_t b0 = std::min(blocks, i * per), b1 = std::min(blocks, (i + 1) * per);
+      std::memcpy(out[i].data_ptr<uint8_t>() + at_[i], static_cast<const char*>(t.data_ptr()) + b0 * bb, (b1 - b0) * bb);
+      at_[i] += (b1 - b0) * bb;
+    }
+  }
+  return out;
+}
+
+double read_thread_major(std::vector<at::Tensor> packs, std::vector<at::Tensor> buffers) {
+  float out[64] = {0};
+  const int nt = static_cast<int>(buffers.size());
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    const char* p = static_cast<const char*>(buffers[tid].data_ptr());
+    __m512 acc = _mm512_setzero_ps();
+    for (const at::Tensor& t : packs) {
+      const int64_t blocks = t.size(0), per = (blocks + nt - 1) / nt;
+      const int64_t n = (std::min(blocks, (tid + 1) * per) - std::min(blocks, tid * per)) * block_bytes(t);
+      acc = read_range(p, n, acc);
+      p += n;
+#pragma omp barrier
+    }
+    out[tid % 64] = _mm512_reduce_add_ps(acc);
+  }
+  double total = 0;
+  for (float v : out) total += v;
+  return total;
+}
+
 TORCH_LIBRARY(specbench_pack_read, m) {
+  m.def("thread_major(Tensor[] packs, int threads) -> Tensor[]", thread_major);
+  m.def("thread_major_read(Tensor[] packs, Tensor[] buffers) -> float", read_thread_major);
+  m.def("claimed(Tensor[] packs) -> float", read_claimed);
+  m.def("gemvs(Tensor[] packs) -> float", gemvs);
   m.def("regions(Tensor[] packs) -> float", read_regions);
   m.def("barriers(Tensor[] packs) -> float", read_one_region<true>);
+  m.def("mirrored(Tensor[] packs) -> float", read_one_region<true, true>);
   m.def("no_waits(Tensor[] packs) -> float", read_one_region<false>);
 }
 """
@@ -129,13 +234,16 @@ def main() -> None:
     time_forward(model, 1, 1, CONTEXT, iters=0, warmup=3)  # packs the weights
     packs = forward_packs(model)
     n_bytes = sum(p.numel() * p.element_size() for p in packs)
+    buffers = huge_pages.huge_page_copies(ops.thread_major(packs, torch.get_num_threads()))
     probe_bytes = 2**30
     probe = huge_pages.read_probe(probe_bytes // 4, torch.device("cpu")).uniform_()
     probe.sum()
     arms = {"regions": lambda: ops.regions(packs), "barriers": lambda: ops.barriers(packs),
-            "no_waits": lambda: ops.no_waits(packs),
+            "no_waits": lambda: ops.no_waits(packs), "claimed": lambda: ops.claimed(packs),
+            "gemvs": lambda: ops.gemvs(packs), "thread_major": lambda: ops.thread_major_read(packs, buffers),
+            "mirrored": lambda: ops.mirrored(packs),
             "step_q1": lambda: time_forward(model, 1, 1, CONTEXT, iters=1, warmup=0)}
-    for name in ("regions", "barriers", "no_waits"):
+    for name in ("regions", "barriers", "no_waits", "claimed", "gemvs", "thread_major", "mirrored"):
         arms[name]()
     fractions = {name: [] for name in arms}
     ms = {name: [] for name in arms}
@@ -164,7 +272,7 @@ def main() -> None:
     }
     write_json(args.out, result)
     for name, r in result["arms"].items():
-        print(f"{name:9s} {r['ms_median']:6.2f} ms  {r['floor_fraction_median']:.3f} of the floor "
+        print(f"{name:12s} {r['ms_median']:6.2f} ms  {r['floor_fraction_median']:.3f} of the floor "
               f"(quartiles {r['floor_fraction_quartiles'][0]:.3f}-{r['floor_fraction_quartiles'][1]:.3f})")
     print("read rate min / median / max GB/s:", ", ".join(f"{v:.1f}" for v in result["read_rate_gb_s_min_median_max"]))
 

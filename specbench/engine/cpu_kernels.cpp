@@ -515,6 +515,16 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
   const int64_t L16 = (L + 15) / 16 * 16;
   alignas(64) __m512i kt[PAIRS];  // the block, pair p of the 16 keys in kt[p]
   for (int64_t j0 = 0; j0 < L16; j0 += 16) {
+    // A cache follows a step's ~270 MB of weights, so its rows come from memory, and one head's
+    // keys (32 KB at 256 tokens) are too short a stream for the hardware prefetchers to reach
+    // speed: the next block's keys are fetched into L1 while this one is scored, and this block's
+    // values into L2 for the Σ p·v pass below. Cut attention's time in a cold b = 1 step by 14%
+    // on the 2-core EPYC (0.440 -> 0.377 ms over 30 layers; docs/performance.md "Session 33").
+    // Prefetches change no value.
+    for (int64_t j = j0 + 16; j < std::min(L, j0 + 32); ++j)
+      for (int c = 0; c < HD * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(K + j * ks) + c, _MM_HINT_T0);
+    for (int64_t j = j0; j < std::min(L, j0 + 16); ++j)
+      for (int c = 0; c < HD * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(V + j * vs) + c, _MM_HINT_T1);
     for (int c = 0; c < PAIRS / 16; ++c) {
       __m512i rows[16];
       for (int u = 0; u < 16; ++u)
@@ -666,7 +676,8 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
 // (tests/test_cpu_kernels.py). Why: a b = 1 step is ~270 of these calls, and the Python between them
 // (module calls, route checks, views) cost ~4.5 ms a step against ~11 ms of kernel time on a 2-core
 // EPYC (docs/performance.md "Session 11"). Per layer: h = norm(x); qkv = h·Wqkvᵀ; rope + cache write;
-// attend; delta = ·Woᵀ; (x, h) = (x + delta, norm(x + delta)); x = x + down(silu(gate) · up).
+// attend; delta = ·Woᵀ; (x, h) = (x + delta, norm(x + delta)); x = x + down(silu(gate) · up), with the
+// next layer's h = norm(x) made in the same call.
 // Returns the last layer's output and the outputs of the layers in `taps` (in increasing order).
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -685,13 +696,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bf16(
   const int64_t dim = x.size(-1), qkv_width = (nh + 2 * nkv) * hd;
   std::vector<at::Tensor> tapped;
   size_t next_tap = 0;
+  at::Tensor h = n_layers ? rms_norm_bf16(x, input_norms[0], eps) : at::Tensor();
   for (size_t i = 0; i < n_layers; ++i) {
-    at::Tensor h = rms_norm_bf16(x, input_norms[i], eps);
     at::Tensor xq = qkv_rope_cache_bf16(linear_rows(h, qkv[i], qkv_width), cos, sin, slots, k_caches[i], v_caches[i],
                                         nh, nkv, hd);
     at::Tensor delta = linear_rows(attend_bf16(xq, k_caches[i], v_caches[i], mask), o[i], dim);
     std::tie(x, h) = add_rms_norm_bf16(x, delta, post_norms[i], eps);
-    x = x.add(linear_rows(silu_mul_bf16(linear_rows(h, gate_up[i], 2 * intermediate)), down[i], dim));
+    delta = linear_rows(silu_mul_bf16(linear_rows(h, gate_up[i], 2 * intermediate)), down[i], dim);
+    // The residual add and the next layer's input norm in one call (the same roundings as x.add
+    // followed by rms_norm_bf16).
+    if (i + 1 < n_layers) std::tie(x, h) = add_rms_norm_bf16(x, delta, input_norms[i + 1], eps);
+    else x = x.add(delta);
     if (next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i)) {
       tapped.push_back(x);
       ++next_tap;
