@@ -14,6 +14,8 @@ rate of the moment), plain reads of exactly those packs in the order a forward r
              a perfect balance between the threads);
   claimed    each pack in chunks of 4 blocks that the threads claim as they go, one from each end (a
              dynamic balance between the threads, in place of the even split);
+  stealing   `barriers` with each share's tail up for grabs: a thread takes its own share's blocks from
+             the front, then the other's from the back (work stealing, one block at a time);
   mirrored   `barriers` with every other pack's split mirrored, so that at each pack boundary one thread
              carries on where it stopped (the packs lie back to back in forward order);
   thread-major  the packs copied so that each thread's shares of all of them lie back to back in a
@@ -148,6 +150,52 @@ double gemvs(std::vector<at::Tensor> packs) {
   return total;
 }
 
+// `barriers` with the tail of each share up for grabs: each thread takes its own share's blocks from the
+// front, one at a time, and once it runs out takes the other's from the back, so neither waits while the
+// other still has blocks left. One (front, back) pair a share, claimed by compare-and-swap.
+double read_stealing(std::vector<at::Tensor> packs) {
+  float out[64] = {0};
+  constexpr int nt = 2;
+  std::vector<std::atomic<uint64_t>> ranges(packs.size() * nt);
+  for (size_t i = 0; i < packs.size(); ++i) {
+    const int64_t blocks = packs[i].size(0), per = (blocks + nt - 1) / nt;
+    for (int t = 0; t < nt; ++t) {
+      const uint64_t lo = std::min(blocks, t * per), hi = std::min(blocks, (t + 1) * per);
+      ranges[i * nt + t].store(lo | (hi << 32));
+    }
+  }
+  auto take = [](std::atomic<uint64_t>& r, bool front, int64_t* block) {
+    uint64_t v = r.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t lo = v & 0xffffffffu, hi = v >> 32;
+      if (lo >= hi) return false;
+      const uint64_t next = front ? ((lo + 1) | (hi << 32)) : (lo | ((hi - 1) << 32));
+      if (r.compare_exchange_weak(v, next, std::memory_order_relaxed)) {
+        *block = static_cast<int64_t>(front ? lo : hi - 1);
+        return true;
+      }
+    }
+  };
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    __m512 acc = _mm512_setzero_ps();
+    for (size_t i = 0; i < packs.size(); ++i) {
+      const at::Tensor& t = packs[i];
+      const int64_t bb = block_bytes(t);
+      const char* base = static_cast<const char*>(t.data_ptr());
+      int64_t block;
+      while (take(ranges[i * nt + tid], true, &block)) acc = read_range(base + block * bb, bb, acc);
+      while (take(ranges[i * nt + (1 - tid)], false, &block)) acc = read_range(base + block * bb, bb, acc);
+#pragma omp barrier
+    }
+    out[tid % 64] = _mm512_reduce_add_ps(acc);
+  }
+  double total = 0;
+  for (float v : out) total += v;
+  return total;
+}
+
 // The packs laid out thread-major: thread t's shares of every pack, in forward order, back to back in one
 // buffer of its own (`thread_major` makes them), read with a barrier after each pack as in `barriers`:
 // whether one long contiguous stream per thread keeps the prefetchers going across the barriers.
@@ -202,6 +250,7 @@ TORCH_LIBRARY(specbench_pack_read, m) {
   m.def("regions(Tensor[] packs) -> float", read_regions);
   m.def("barriers(Tensor[] packs) -> float", read_one_region<true>);
   m.def("mirrored(Tensor[] packs) -> float", read_one_region<true, true>);
+  m.def("stealing(Tensor[] packs) -> float", read_stealing);
   m.def("no_waits(Tensor[] packs) -> float", read_one_region<false>);
 }
 """
@@ -241,9 +290,9 @@ def main() -> None:
     arms = {"regions": lambda: ops.regions(packs), "barriers": lambda: ops.barriers(packs),
             "no_waits": lambda: ops.no_waits(packs), "claimed": lambda: ops.claimed(packs),
             "gemvs": lambda: ops.gemvs(packs), "thread_major": lambda: ops.thread_major_read(packs, buffers),
-            "mirrored": lambda: ops.mirrored(packs),
+            "mirrored": lambda: ops.mirrored(packs), "stealing": lambda: ops.stealing(packs),
             "step_q1": lambda: time_forward(model, 1, 1, CONTEXT, iters=1, warmup=0)}
-    for name in ("regions", "barriers", "no_waits", "claimed", "gemvs", "thread_major", "mirrored"):
+    for name in ("regions", "barriers", "no_waits", "claimed", "gemvs", "thread_major", "mirrored", "stealing"):
         arms[name]()
     fractions = {name: [] for name in arms}
     ms = {name: [] for name in arms}
