@@ -331,6 +331,27 @@ def test_all_layers_in_one_call_give_the_bits_of_the_per_module_path(b, q, monke
     assert all(torch.equal(c, r) for c, r in zip(caches, ref_caches))
 
 
+def test_all_layers_in_one_call_leave_their_input_alone_and_give_each_tap_its_own_tensor():
+    """decoder_layers_bf16 updates the residual stream in a buffer of its own: the caller's x is not
+    written, and a tapped layer's output is not overwritten by the layers after it."""
+    model = tiny_model(vocab=96, dim=256, layers=3, dtype=torch.bfloat16)
+    a = model.args
+    with torch.inference_mode():
+        model.setup_cache(1, 64)
+        forward_new_tokens(model, torch.randint(0, 96, (1, 4)), torch.zeros(1, dtype=torch.long))
+        lists = model._build_kernel_stack()
+        assert lists is not None
+        x = torch.randn(1, 1, a.dim).to(torch.bfloat16)
+        before = x.clone()
+        cos_table, sin_table = model.rope_tables(torch.bfloat16)
+        cos, sin = cos_table[4:5].reshape(1, 1, 1, -1), sin_table[4:5].reshape(1, 1, 1, -1)
+        last, tapped = cpu_kernels.decoder_layers(x, *lists, cos, sin, torch.tensor([[4]]),
+                                                  torch.ones(1, 1, 5, dtype=torch.bool), a.norm_eps, a.n_heads,
+                                                  a.n_kv_heads, a.head_dim, a.intermediate_size, [0, 1])
+    assert torch.equal(x, before)
+    assert len(tapped) == 2 and not torch.equal(tapped[0], tapped[1]) and not torch.equal(tapped[1], last)
+
+
 def test_all_layers_in_one_call_apply_only_where_every_layer_takes_the_kernels(monkeypatch):
     """A prefill, fp32 (cpu_f32's one call, not this one), or one layer's stale pack: not this call; a
     decode step at any number of rows takes it."""

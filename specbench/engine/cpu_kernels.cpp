@@ -211,21 +211,23 @@ bool amx_applies(int64_t K) { return K % 32 == 0 && amx_ready(); }
 
 bool amx_available() { return amx_ready(); }
 
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4, "gemv_bf16: x [M, K], packed [blocks, K/2, 32, 2]");
-  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+// Checks that `packed` is gemv_bf16's pack for inputs of width K and N outputs.
+void check_pack(const at::Tensor& packed, int64_t K, int64_t N) {
+  TORCH_CHECK(packed.dim() == 4, "gemv_bf16: packed [blocks, K/2, 32, 2]");
+  const int64_t blocks = packed.size(0);
   TORCH_CHECK(K % 2 == 0 && packed.size(1) == K / 2 && packed.size(2) == kBlock && packed.size(3) == 2 &&
               blocks * kBlock >= N && (blocks - 1) * kBlock < N, "gemv_bf16: packed does not match x and N");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 only");
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && x.is_cpu() && packed.is_cpu(),
-              "gemv_bf16: contiguous CPU tensors");
-  at::Tensor y = at::empty({M, N}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.is_cpu(),
+              "gemv_bf16: a contiguous bf16 CPU pack");
+}
+
+// y [M, N] = x [M, K] · Wᵀ from W's pack (check_pack'ed), into y.
+void gemv_into(const bf16* xp, int64_t M, int64_t K, const at::Tensor& packed, int64_t N, bf16* yp) {
+  const int64_t blocks = packed.size(0);
   const bf16* wp = packed.data_ptr<bf16>();
-  bf16* yp = y.data_ptr<bf16>();
   if (amx_applies(K)) {
     gemv_amx(xp, wp, yp, M, K, N, blocks);
-    return y;
+    return;
   }
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
@@ -233,6 +235,14 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
         any_rows(static_cast<int>(std::min<int64_t>(kMaxRows, M - m0)), xp + m0 * K, K, wp + b * kBlock * K,
                  yp + m0 * N, N, b * kBlock, m0 == 0);
   });
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2, "gemv_bf16: x [M, K], packed [blocks, K/2, 32, 2]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.is_cpu(), "gemv_bf16: x contiguous bf16 on a CPU");
+  check_pack(packed, x.size(1), N);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  gemv_into(x.data_ptr<bf16>(), x.size(0), x.size(1), packed, N, y.data_ptr<bf16>());
   return y;
 }
 
@@ -277,6 +287,22 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
   return y;
 }
 
+// s = bf16(x + delta) over n elements, as torch's bf16 add rounds (s may be x).
+void add_into(const bf16* xp, const bf16* dp, bf16* sp, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 a = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, xp + i));
+    const __m512 d = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, dp + i));
+    _mm256_mask_storeu_epi16(sp + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, d)));
+  }
+}
+
+// s = x + delta (add_into) and y = RMSNorm(s) for `rows` rows of D (s may be x).
+void add_norm_into(const bf16* xp, const bf16* dp, const bf16* wp, bf16* sp, bf16* yp, int64_t rows, int64_t D, double eps) {
+  add_into(xp, dp, sp, rows * D);
+  for (int64_t r = 0; r < rows; ++r) norm_row(sp + r * D, wp, yp + r * D, D, static_cast<float>(eps));
+}
+
 // (x + delta, RMSNorm of it): a residual add (rounded to bf16 as torch's add rounds) and the norm
 // that follows it in a decoder layer.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
@@ -289,16 +315,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const 
   const int64_t D = x.size(-1), rows = x.numel() / D;
   at::Tensor xc = x.contiguous(), dc = delta.contiguous();
   at::Tensor s = at::empty_like(xc), y = at::empty_like(xc);
-  const bf16* xp = xc.data_ptr<bf16>(); const bf16* dp = dc.data_ptr<bf16>(); const bf16* wp = weight.data_ptr<bf16>();
-  bf16* sp = s.data_ptr<bf16>(); bf16* yp = y.data_ptr<bf16>();
-  const int64_t n = rows * D;
-  for (int64_t i = 0; i < n; i += 16) {  // bf16(x + delta), as torch's bf16 add rounds
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 a = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, xp + i));
-    const __m512 d = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, dp + i));
-    _mm256_mask_storeu_epi16(sp + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, d)));
-  }
-  for (int64_t r = 0; r < rows; ++r) norm_row(sp + r * D, wp, yp + r * D, D, static_cast<float>(eps));
+  add_norm_into(xc.data_ptr<bf16>(), dc.data_ptr<bf16>(), weight.data_ptr<bf16>(), s.data_ptr<bf16>(), y.data_ptr<bf16>(),
+                rows, D, eps);
   return {s, y};
 }
 
@@ -326,6 +344,10 @@ inline void rope_row(const bf16* x, const bf16* c, const bf16* s, bf16* out, int
   }
 }
 
+void qkv_rope_cache_into(const bf16* p, int64_t b, int64_t q, const bf16* cp, const bf16* sp, const int64_t* sl,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t nh, int64_t nkv, int64_t hd,
+                         bf16* op);
+
 // Attention's step from the packed projection to SDPA: qkv [b, q, (nh + 2 nkv) · hd] →
 // rope(q) as [b, nh, q, hd] (returned: SDPA's layout, and folded GQA's by a view), rope(k) and v
 // written to k_cache / v_cache [B, nkv, S, hd] at each row's slots [b, q]. cos, sin: [b, q, (1,) hd].
@@ -342,9 +364,18 @@ at::Tensor qkv_rope_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, con
               v_cache.size(1) == nkv && v_cache.size(3) == hd, "qkv_rope_cache_bf16: caches [B >= b, nkv, S, hd]");
   at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous(), slc = slots.contiguous();
   at::Tensor out = at::empty({b, nh, q, hd}, qkv.options());
-  const bf16* p = qc.data_ptr<bf16>(); const bf16* cp = cc.data_ptr<bf16>(); const bf16* sp = sc.data_ptr<bf16>();
-  const int64_t* sl = slc.data_ptr<int64_t>();
-  bf16* op = out.data_ptr<bf16>(); bf16* kp = k_cache.data_ptr<bf16>(); bf16* vp = v_cache.data_ptr<bf16>();
+  qkv_rope_cache_into(qc.data_ptr<bf16>(), b, q, cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), slc.data_ptr<int64_t>(),
+                      k_cache, v_cache, nh, nkv, hd, out.data_ptr<bf16>());
+  return out;
+}
+
+// qkv_rope_cache_bf16's work on raw rows (qkv [b, q, (nh + 2 nkv) hd], cos / sin [b, q, hd], slots
+// [b, q], all contiguous), the rope'd queries into out [b, nh, q, hd]; the caches as checked there.
+void qkv_rope_cache_into(const bf16* p, int64_t b, int64_t q, const bf16* cp, const bf16* sp, const int64_t* sl,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t nh, int64_t nkv, int64_t hd,
+                         bf16* op) {
+  const int64_t width = (nh + 2 * nkv) * hd;
+  bf16* kp = k_cache.data_ptr<bf16>(); bf16* vp = v_cache.data_ptr<bf16>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   for (int64_t r = 0; r < b; ++r)
@@ -360,7 +391,6 @@ at::Tensor qkv_rope_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, con
         for (int64_t i = 0; i < hd; ++i) vd[i] = v[i];
       }
     }
-  return out;
 }
 // 3. attend_bf16: softmax(q·kᵀ / √hd + mask) · v for each query row over the cache, the new
 // queries' keys and values already written (qkv_rope_cache_bf16). SDPA took ~40 µs a layer for one
@@ -583,6 +613,9 @@ void attend_item(const bf16* const* q_rows, const bool* const* mask_rows, int R,
 
 // q [b, nh, q, hd] (rope applied), caches [B >= b, nkv, S, hd], mask [b, q, kv_len] bool →
 // [b, q, nh · hd], o_proj's input. Query head h reads KV head h / (nh / nkv), as model.py's folded SDPA.
+void attend_into(const bf16* qp, int64_t b, int64_t nh, int64_t nq, int64_t hd, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const bool* mp, int64_t L, bf16* op);
+
 at::Tensor attend_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask) {
   for (const at::Tensor& t : {q, k_cache, v_cache}) check_bf16_cpu(t, "attend_bf16");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && mask.dim() == 3,
@@ -595,8 +628,16 @@ at::Tensor attend_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at:
               v_cache.stride(3) == 1, "attend_bf16: caches [B >= b, nkv, S >= L, hd]");
   at::Tensor qc = q.contiguous(), mc = mask.contiguous();
   at::Tensor out = at::empty({b, nq, nh * hd}, q.options());
-  const bf16* qp = qc.data_ptr<bf16>(); const bool* mp = mc.data_ptr<bool>();
-  const bf16* kp = k_cache.data_ptr<bf16>(); const bf16* vp = v_cache.data_ptr<bf16>(); bf16* op = out.data_ptr<bf16>();
+  attend_into(qc.data_ptr<bf16>(), b, nh, nq, hd, k_cache, v_cache, mc.data_ptr<bool>(), L, out.data_ptr<bf16>());
+  return out;
+}
+
+// attend_bf16's work on raw rows: q [b, nh, nq, hd] and mask [b, nq, L] contiguous, the caches as
+// checked there; out [b, nq, nh · hd].
+void attend_into(const bf16* qp, int64_t b, int64_t nh, int64_t nq, int64_t hd, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const bool* mp, int64_t L, bf16* op) {
+  const int64_t nkv = k_cache.size(1);
+  const bf16* kp = k_cache.data_ptr<bf16>(); const bf16* vp = v_cache.data_ptr<bf16>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const int64_t G = nh / nkv;
@@ -631,7 +672,6 @@ at::Tensor attend_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at:
                             scores.data());
     }
   });
-  return out;
 }
 // 4. silu_mul_bf16: model.py's MLP between its packed gate|up product and down_proj,
 // bf16(bf16(silu(g)) · u) with silu(g) = g · sigmoid(g) in fp32, as torch rounds F.silu(g) * u.
@@ -649,6 +689,8 @@ inline __m512 load_bf16(const bf16* p, __mmask16 m) {
   return _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, p));
 }
 
+void silu_mul_into(const bf16* xp, int64_t rows, int64_t I, bf16* op);
+
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   check_bf16_cpu(gate_up, "silu_mul_bf16");
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul_bf16: [..., 2 I]");
@@ -657,7 +699,12 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
   shape.back() = I;
   at::Tensor out = at::empty(shape, gate_up.options());
-  const bf16* xp = x.data_ptr<bf16>(); bf16* op = out.data_ptr<bf16>();
+  silu_mul_into(x.data_ptr<bf16>(), rows, I, out.data_ptr<bf16>());
+  return out;
+}
+
+// silu_mul_bf16's work on raw rows: gate_up [rows, 2 I] contiguous → out [rows, I].
+void silu_mul_into(const bf16* xp, int64_t rows, int64_t I, bf16* op) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const bf16* g = xp + r * 2 * I; const bf16* u = g + I; bf16* o = op + r * I;
@@ -668,7 +715,6 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
       }
     }
   });
-  return out;
 }
 
 // 5. decoder_layers_bf16: model.py's DecoderLayer.forward for every layer in one call, on the packed
@@ -693,26 +739,82 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bf16(
   const size_t n_layers = input_norms.size();
   for (at::TensorList list : {qkv, o, post_norms, gate_up, down, k_caches, v_caches})
     TORCH_CHECK(list.size() == n_layers, "decoder_layers_bf16: one tensor per layer in every list");
-  const int64_t dim = x.size(-1), qkv_width = (nh + 2 * nkv) * hd;
+  // Everything the per-op wrappers (gemv_bf16, rms_norm_bf16, qkv_rope_cache_bf16, attend_bf16, ...)
+  // check, checked here once; the layers then run on their raw cores, every activation in one scratch
+  // buffer. Why: the wrappers' allocations, views and checks cost ~2 us a GEMV (0.24 ms a step) and
+  // more around the small ops, on caches the weight stream has just flushed; without them a b = 1
+  // step ran 2-7% faster on the 2-core EPYC, the more the faster its memory (docs/performance.md
+  // "Session 33"). The same kernels in the same order: the same bits.
+  for (const at::Tensor& t : {x, cos, sin}) check_bf16_cpu(t, "decoder_layers_bf16");
+  TORCH_CHECK(x.dim() == 3, "decoder_layers_bf16: x [b, q, dim]");
+  const int64_t b = x.size(0), q = x.size(1), dim = x.size(2), rows = b * q, heads_width = nh * hd;
+  const int64_t qkv_width = (nh + 2 * nkv) * hd, I = intermediate;
+  TORCH_CHECK(hd % 2 == 0 && cos.numel() == rows * hd && sin.numel() == rows * hd,
+              "qkv_rope_cache_bf16: cos / sin [b, q, hd]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows, "qkv_rope_cache_bf16: slots [b, q] int64");
+  TORCH_CHECK(mask.dim() == 3 && mask.scalar_type() == at::kBool && mask.size(0) == b && mask.size(1) == q,
+              "attend_bf16: mask [b, q, L] bool");
+  TORCH_CHECK((hd == 64 || hd == 128) && nh % nkv == 0, "attend_bf16: hd 64 or 128, nh a multiple of nkv");
+  const int64_t L = mask.size(2);
+  for (size_t i = 0; i < n_layers; ++i) {
+    for (const at::Tensor& w : {input_norms[i], post_norms[i]}) {
+      check_bf16_cpu(w, "rms_norm_bf16");
+      TORCH_CHECK(w.numel() == dim && w.is_contiguous(), "rms_norm_bf16: weight [D]");
+    }
+    check_pack(qkv[i], dim, qkv_width);
+    check_pack(o[i], heads_width, dim);
+    check_pack(gate_up[i], dim, 2 * I);
+    check_pack(down[i], I, dim);
+    const at::Tensor& kc = k_caches[i]; const at::Tensor& vc = v_caches[i];
+    for (const at::Tensor& t : {kc, vc}) check_bf16_cpu(t, "qkv_rope_cache_bf16");
+    TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 && kc.size(0) >= b &&
+                vc.size(0) >= b && kc.size(1) == nkv && kc.size(3) == hd && vc.size(1) == nkv && vc.size(3) == hd &&
+                kc.size(2) >= L && vc.size(2) >= L, "attend_bf16: caches [B >= b, nkv, S >= L, hd]");
+  }
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slc = slots.contiguous(), mc = mask.contiguous();
+  const bf16* cp = cc.data_ptr<bf16>(); const bf16* sp = sc.data_ptr<bf16>();
+  const int64_t* sl = slc.data_ptr<int64_t>(); const bool* mp = mc.data_ptr<bool>();
+
+  at::Tensor out = x.contiguous().clone();  // the residual stream, updated in place (x stays the caller's)
+  bf16* xp = out.data_ptr<bf16>();
+  // Scratch: h [rows, dim], q|k|v [rows, width], rope'd q [b, nh, q, hd], attention [rows, nh hd],
+  // delta [rows, dim], gate|up [rows, 2 I], silu · up [rows, I]; each on a cache line.
+  auto line = [](int64_t n) { return (n + 31) / 32 * 32; };
+  const int64_t sizes[] = {rows * dim, rows * qkv_width, rows * heads_width, rows * heads_width, rows * dim,
+                           rows * 2 * I, rows * I};
+  int64_t total = 0;
+  for (int64_t n : sizes) total += line(n);
+  at::Tensor scratch = at::empty({total}, x.options());
+  bf16* buffers[7];
+  bf16* next = scratch.data_ptr<bf16>();
+  for (int k = 0; k < 7; ++k) buffers[k] = next, next += line(sizes[k]);
+  bf16 *h = buffers[0], *qkv_out = buffers[1], *xq = buffers[2], *att = buffers[3], *delta = buffers[4],
+       *gu = buffers[5], *sm = buffers[6];
+
   std::vector<at::Tensor> tapped;
   size_t next_tap = 0;
-  at::Tensor h = n_layers ? rms_norm_bf16(x, input_norms[0], eps) : at::Tensor();
+  if (n_layers)
+    for (int64_t r = 0; r < rows; ++r)
+      norm_row(xp + r * dim, input_norms[0].data_ptr<bf16>(), h + r * dim, dim, static_cast<float>(eps));
   for (size_t i = 0; i < n_layers; ++i) {
-    at::Tensor xq = qkv_rope_cache_bf16(linear_rows(h, qkv[i], qkv_width), cos, sin, slots, k_caches[i], v_caches[i],
-                                        nh, nkv, hd);
-    at::Tensor delta = linear_rows(attend_bf16(xq, k_caches[i], v_caches[i], mask), o[i], dim);
-    std::tie(x, h) = add_rms_norm_bf16(x, delta, post_norms[i], eps);
-    delta = linear_rows(silu_mul_bf16(linear_rows(h, gate_up[i], 2 * intermediate)), down[i], dim);
-    // The residual add and the next layer's input norm in one call (the same roundings as x.add
-    // followed by rms_norm_bf16).
-    if (i + 1 < n_layers) std::tie(x, h) = add_rms_norm_bf16(x, delta, input_norms[i + 1], eps);
-    else x = x.add(delta);
+    gemv_into(h, rows, dim, qkv[i], qkv_width, qkv_out);
+    qkv_rope_cache_into(qkv_out, b, q, cp, sp, sl, k_caches[i], v_caches[i], nh, nkv, hd, xq);
+    attend_into(xq, b, nh, q, hd, k_caches[i], v_caches[i], mp, L, att);
+    gemv_into(att, rows, heads_width, o[i], dim, delta);
+    add_norm_into(xp, delta, post_norms[i].data_ptr<bf16>(), xp, h, rows, dim, eps);
+    gemv_into(h, rows, dim, gate_up[i], 2 * I, gu);
+    silu_mul_into(gu, rows, I, sm);
+    gemv_into(sm, rows, I, down[i], dim, delta);
+    // The residual add and the next layer's input norm in one pass (the same roundings as torch's
+    // bf16 add followed by rms_norm_bf16).
+    if (i + 1 < n_layers) add_norm_into(xp, delta, input_norms[i + 1].data_ptr<bf16>(), xp, h, rows, dim, eps);
+    else add_into(xp, delta, xp, rows * dim);
     if (next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i)) {
-      tapped.push_back(x);
+      tapped.push_back(out.clone());
       ++next_tap;
     }
   }
-  return {x, tapped};
+  return {out, tapped};
 }
 
 // Rows of `table` [n, width] (bf16) gathered at `index` (int64, checked against n) into a new [index.numel(), width].
