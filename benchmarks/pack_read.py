@@ -12,8 +12,8 @@ rate of the moment), plain reads of exactly those packs in the order a forward r
              each pack (what a persistent-thread forward would do);
   no-waits   the same without the barriers: each thread streams its shares back to back (the bound of
              a perfect balance between the threads);
-  claimed    each pack in chunks of 4 blocks that the threads claim as they go, one from each end (a
-             dynamic balance between the threads, in place of the even split);
+  claimed    each pack in chunks of 4 blocks that two threads claim as they go, one from each end (a
+             dynamic balance between the threads, in place of the even split; two threads only);
   stealing   `barriers` with each share's tail up for grabs: a thread takes its own share's blocks from
              the front, then the other's from the back (work stealing, one block at a time);
   mirrored   `barriers` with every other pack's split mirrored, so that at each pack boundary one thread
@@ -151,11 +151,11 @@ double gemvs(std::vector<at::Tensor> packs) {
 }
 
 // `barriers` with the tail of each share up for grabs: each thread takes its own share's blocks from the
-// front, one at a time, and once it runs out takes the other's from the back, so neither waits while the
-// other still has blocks left. One (front, back) pair a share, claimed by compare-and-swap.
+// front, one at a time, and once it runs out takes the others' from the back, so none waits while
+// another still has blocks left. One (front, back) pair a share, claimed by compare-and-swap.
 double read_stealing(std::vector<at::Tensor> packs) {
   float out[64] = {0};
-  constexpr int nt = 2;
+  const int nt = at::get_num_threads();
   std::vector<std::atomic<uint64_t>> ranges(packs.size() * nt);
   for (size_t i = 0; i < packs.size(); ++i) {
     const int64_t blocks = packs[i].size(0), per = (blocks + nt - 1) / nt;
@@ -186,7 +186,8 @@ double read_stealing(std::vector<at::Tensor> packs) {
       const char* base = static_cast<const char*>(t.data_ptr());
       int64_t block;
       while (take(ranges[i * nt + tid], true, &block)) acc = read_range(base + block * bb, bb, acc);
-      while (take(ranges[i * nt + (1 - tid)], false, &block)) acc = read_range(base + block * bb, bb, acc);
+      for (int other = 1; other < nt; ++other)
+        while (take(ranges[i * nt + (tid + other) % nt], false, &block)) acc = read_range(base + block * bb, bb, acc);
 #pragma omp barrier
     }
     out[tid % 64] = _mm512_reduce_add_ps(acc);

@@ -252,6 +252,22 @@ void check_bf16_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_cpu(), what, ": bf16 CPU tensors only");
 }
 
+// An RMSNorm weight for rows of D: bf16 [D], contiguous.
+void check_norm_weight(const at::Tensor& w, int64_t D) {
+  check_bf16_cpu(w, "rms_norm_bf16");
+  TORCH_CHECK(w.numel() == D && w.is_contiguous(), "rms_norm_bf16: weight [D]");
+}
+
+// A layer's K and V caches for b rows: bf16 [B >= b, nkv, S >= min_slots, hd], each row of hd contiguous.
+void check_caches(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t nkv, int64_t hd, int64_t min_slots,
+                  const char* what) {
+  for (const at::Tensor& t : {k, v}) check_bf16_cpu(t, what);
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.stride(3) == 1 && v.stride(3) == 1 && k.size(0) >= b &&
+              v.size(0) >= b && k.size(1) == nkv && v.size(1) == nkv && k.size(3) == hd && v.size(3) == hd &&
+              k.size(2) >= min_slots && v.size(2) >= min_slots,
+              what, ": caches [B >= b, nkv, S", min_slots ? " >= L" : "", ", hd]");
+}
+
 // model.py's RMSNorm for one row: weight · bf16(x · rsqrt(mean(x²) + eps)), the mean and the
 // product in fp32. The sum of squares runs in its own fixed order (below), so its last bits may
 // differ from torch's vectorised mean; the roundings are torch's.
@@ -277,8 +293,7 @@ void norm_row(const bf16* x, const bf16* w, bf16* y, int64_t D, float eps) {
 
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_bf16_cpu(x, "rms_norm_bf16");
-  check_bf16_cpu(weight, "rms_norm_bf16");
-  TORCH_CHECK(weight.numel() == x.size(-1) && weight.is_contiguous(), "rms_norm_bf16: weight [D]");
+  check_norm_weight(weight, x.size(-1));
   const int64_t D = x.size(-1), rows = x.numel() / D;
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);
@@ -353,15 +368,13 @@ void qkv_rope_cache_into(const bf16* p, int64_t b, int64_t q, const bf16* cp, co
 // written to k_cache / v_cache [B, nkv, S, hd] at each row's slots [b, q]. cos, sin: [b, q, (1,) hd].
 at::Tensor qkv_rope_cache_bf16(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                                at::Tensor k_cache, at::Tensor v_cache, int64_t nh, int64_t nkv, int64_t hd) {
-  for (const at::Tensor& t : {qkv, cos, sin, k_cache, v_cache}) check_bf16_cpu(t, "qkv_rope_cache_bf16");
+  for (const at::Tensor& t : {qkv, cos, sin}) check_bf16_cpu(t, "qkv_rope_cache_bf16");
   TORCH_CHECK(qkv.dim() == 3, "qkv_rope_cache_bf16: qkv [b, q, width]");
   const int64_t b = qkv.size(0), q = qkv.size(1), width = qkv.size(2);
   TORCH_CHECK(width == (nh + 2 * nkv) * hd && hd % 2 == 0, "qkv_rope_cache_bf16: width != (nh + 2 nkv) hd");
   TORCH_CHECK(cos.numel() == b * q * hd && sin.numel() == b * q * hd, "qkv_rope_cache_bf16: cos / sin [b, q, hd]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == b * q, "qkv_rope_cache_bf16: slots [b, q] int64");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
-              k_cache.size(0) >= b && v_cache.size(0) >= b && k_cache.size(1) == nkv && k_cache.size(3) == hd &&
-              v_cache.size(1) == nkv && v_cache.size(3) == hd, "qkv_rope_cache_bf16: caches [B >= b, nkv, S, hd]");
+  check_caches(k_cache, v_cache, b, nkv, hd, 0, "qkv_rope_cache_bf16");
   at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous(), slc = slots.contiguous();
   at::Tensor out = at::empty({b, nh, q, hd}, qkv.options());
   qkv_rope_cache_into(qc.data_ptr<bf16>(), b, q, cc.data_ptr<bf16>(), sc.data_ptr<bf16>(), slc.data_ptr<int64_t>(),
@@ -617,15 +630,13 @@ void attend_into(const bf16* qp, int64_t b, int64_t nh, int64_t nq, int64_t hd, 
                  const at::Tensor& v_cache, const bool* mp, int64_t L, bf16* op);
 
 at::Tensor attend_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask) {
-  for (const at::Tensor& t : {q, k_cache, v_cache}) check_bf16_cpu(t, "attend_bf16");
+  check_bf16_cpu(q, "attend_bf16");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4 && mask.dim() == 3,
               "attend_bf16: q [b, nh, q, hd], caches [B, nkv, S, hd], mask [b, q, L]");
   const int64_t b = q.size(0), nh = q.size(1), nq = q.size(2), hd = q.size(3), nkv = k_cache.size(1), L = mask.size(2);
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == b && mask.size(1) == nq, "attend_bf16: mask [b, q, L] bool");
   TORCH_CHECK((hd == 64 || hd == 128) && nh % nkv == 0, "attend_bf16: hd 64 or 128, nh a multiple of nkv");
-  TORCH_CHECK(k_cache.size(0) >= b && v_cache.size(0) >= b && v_cache.size(1) == nkv && k_cache.size(3) == hd &&
-              v_cache.size(3) == hd && k_cache.size(2) >= L && v_cache.size(2) >= L && k_cache.stride(3) == 1 &&
-              v_cache.stride(3) == 1, "attend_bf16: caches [B >= b, nkv, S >= L, hd]");
+  check_caches(k_cache, v_cache, b, nkv, hd, L, "attend_bf16");
   at::Tensor qc = q.contiguous(), mc = mask.contiguous();
   at::Tensor out = at::empty({b, nq, nh * hd}, q.options());
   attend_into(qc.data_ptr<bf16>(), b, nh, nq, hd, k_cache, v_cache, mc.data_ptr<bool>(), L, out.data_ptr<bf16>());
@@ -764,19 +775,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers_bf16(
   TORCH_CHECK((hd == 64 || hd == 128) && nh % nkv == 0, "attend_bf16: hd 64 or 128, nh a multiple of nkv");
   const int64_t L = mask.size(2);
   for (size_t i = 0; i < n_layers; ++i) {
-    for (const at::Tensor& w : {input_norms[i], post_norms[i]}) {
-      check_bf16_cpu(w, "rms_norm_bf16");
-      TORCH_CHECK(w.numel() == dim && w.is_contiguous(), "rms_norm_bf16: weight [D]");
-    }
+    check_norm_weight(input_norms[i], dim);
+    check_norm_weight(post_norms[i], dim);
     check_pack(qkv[i], dim, qkv_width);
     check_pack(o[i], heads_width, dim);
     check_pack(gate_up[i], dim, 2 * I);
     check_pack(down[i], I, dim);
-    const at::Tensor& kc = k_caches[i]; const at::Tensor& vc = v_caches[i];
-    for (const at::Tensor& t : {kc, vc}) check_bf16_cpu(t, "qkv_rope_cache_bf16");
-    TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 && kc.size(0) >= b &&
-                vc.size(0) >= b && kc.size(1) == nkv && kc.size(3) == hd && vc.size(1) == nkv && vc.size(3) == hd &&
-                kc.size(2) >= L && vc.size(2) >= L, "attend_bf16: caches [B >= b, nkv, S >= L, hd]");
+    check_caches(k_caches[i], v_caches[i], b, nkv, hd, L, "attend_bf16");
   }
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous(), slc = slots.contiguous(), mc = mask.contiguous();
   const bf16* cp = cc.data_ptr<bf16>(); const bf16* sp = sc.data_ptr<bf16>();
